@@ -1,0 +1,163 @@
+"""``python -m harness``: the command line over the stage modules."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from harness import build, document, lint, series, test
+from harness.project import HarnessError, Identity, Project
+
+
+def _identity(value: str) -> Identity:
+    name, _, rest = value.partition("<")
+    if not rest.endswith(">") or not name.strip():
+        raise argparse.ArgumentTypeError("expected 'Full Name <email>'")
+    return Identity(name.strip(), rest[:-1], "")
+
+
+def _cmd_base(project: Project, args: argparse.Namespace) -> int:
+    tree, base = series.prepare(project)
+    print(f"{tree} {project.pin.release.tag} {base}")
+    return 0
+
+
+def _cmd_apply(project: Project, args: argparse.Namespace) -> int:
+    for result in series.apply(project):
+        print(f"{result.outcome.value:9} {result.patch}")
+    return 0
+
+
+def _cmd_reset(project: Project, args: argparse.Namespace) -> int:
+    series.reset(project)
+    return 0
+
+
+def _cmd_export(project: Project, args: argparse.Namespace) -> int:
+    for path in series.export(project, signoff=args.signoff, out=args.out):
+        print(path)
+    return 0
+
+
+def _cmd_hash(project: Project, args: argparse.Namespace) -> int:
+    print(series.series_hash(project))
+    return 0
+
+
+def _cmd_build(project: Project, args: argparse.Namespace) -> int:
+    info = build.build(project, full=args.full, stock_kernels=args.stock_kernels)
+    print(info.wheel)
+    return 0
+
+
+def _cmd_test(project: Project, args: argparse.Namespace) -> int:
+    report = test.run_tests(project, args.pytest_args)
+    for name, reason in report.skipped:
+        print(f"SKIPPED {name}: {reason}")
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def _cmd_lint(project: Project, args: argparse.Namespace) -> int:
+    failed = lint.lint(project)
+    print("lint: " + (f"failed: {', '.join(failed)}" if failed else "all checks passed"))
+    return 1 if failed else 0
+
+
+def _cmd_check(project: Project, args: argparse.Namespace) -> int:
+    problems = series.check(project)
+    for problem in problems:
+        print(f"check: {problem}")
+    print("check: " + ("FAILED" if problems else "round trip, standalone commits and SERIES.md ok"))
+    return 1 if problems else 0
+
+
+def _cmd_doc(project: Project, args: argparse.Namespace) -> int:
+    changed = document.update(project)
+    print("SERIES.md " + ("updated" if changed else "already up to date"))
+    return 0
+
+
+Handler = Callable[[Project, argparse.Namespace], int]
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="python -m harness",
+        description=(
+            "Apply, export, check, build and test the vLLM MoE expert-offload patch "
+            "series on its pinned vLLM release. The vLLM tree lives in "
+            "$VLLM_SERIES_WORK (default .work/vllm); downloads are cached in "
+            "$VLLM_SERIES_CACHE (default ~/.cache/vllm-series)."
+        ),
+    )
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, handler: Handler, help_text: str) -> argparse.ArgumentParser:
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(handler=handler)
+        return cmd
+
+    add("base", _cmd_base, "fetch, verify and materialize the pinned base as a git tree")
+    add(
+        "apply",
+        _cmd_apply,
+        "rebuild the `series` branch from the base and apply patches/ in order "
+        "(refuses uncommitted or unexported work)",
+    )
+    add("reset", _cmd_reset, "abort a stopped apply and return `series` to the base")
+    export = add("export", _cmd_export, "regenerate patches/ from the commits on `series`")
+    export.add_argument(
+        "--signoff",
+        type=_identity,
+        metavar="'NAME <EMAIL>'",
+        help="add the submitter's Signed-off-by (needs --out: patches/ stays canonical)",
+    )
+    export.add_argument("--out", type=_path, help="write the patches here instead of patches/")
+    add("hash", _cmd_hash, "print the series hash (sha256 of patches/series and the patches)")
+    b = add(
+        "build", _cmd_build, "build the vLLM wheel of the applied series (python-only by default)"
+    )
+    b.add_argument("--full", action="store_true", help="normal CUDA build (needs CUDA and network)")
+    b.add_argument(
+        "--stock-kernels",
+        action="store_true",
+        help="build python-only even though the series changes compiled sources; "
+        "those are built by `python -m harness kernels` instead",
+    )
+    t = add(
+        "test",
+        _cmd_test,
+        "run the tests the series adds or changes, from the patched tree, against the "
+        "built wheel (GPU tests skip with their reasons on hosts without one)",
+    )
+    t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    add("lint", _cmd_lint, "vLLM's own checks (ruff, typos, mypy, SPDX, ...) on touched files")
+    add(
+        "check",
+        _cmd_check,
+        "apply + export reproduces patches/ byte for byte, standalone commits apply "
+        "alone on their stated base, SERIES.md is up to date",
+    )
+    add("doc", _cmd_doc, "regenerate SERIES.md's generated blocks")
+    return top
+
+
+def _path(value: str) -> Path:
+    return Path(value).resolve()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    project = Project.discover()
+    try:
+        return int(args.handler(project, args))
+    except HarnessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Stage 3: build a vLLM wheel from the patched tree.
+
+The default is vLLM's python-only build: ``VLLM_USE_PRECOMPILED=1`` with the
+pinned, hash-checked release wheel as ``VLLM_PRECOMPILED_WHEEL_LOCATION``. In
+that mode vLLM copies the release's compiled libraries and skips its own check
+for changed compiled sources, so a series that touches them would silently
+ship the release's kernels. The harness therefore refuses that case unless the
+caller says ``stock_kernels=True`` (the compiled changes are then built and
+tested separately by ``python -m harness kernels``), and ``full=True`` runs the
+normal CUDA build on hosts with CUDA and network access.
+
+The wheel is built from a ``git archive`` snapshot of ``series``, never from
+the work tree itself: the build rewrites tracked files (``vllm/_version.py``,
+the egg-info), which would dirty the tree the series lives in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+from harness import series
+from harness.base import fetch
+from harness.project import HarnessError, Project, git, progress, run, sha256_file
+
+# Paths whose changes the python-only build cannot carry into the wheel.
+COMPILED_PATHS = ("csrc/", "cmake/", "CMakeLists.txt", "setup.py", "pyproject.toml")
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildInfo:
+    """What was built, from what: the provenance of one wheel."""
+
+    wheel: str
+    wheel_sha256: str
+    mode: str  # "python-only" or "full"
+    stock_kernels: tuple[str, ...]  # compiled paths the series changes but the wheel lacks
+    series_hash: str
+    tree_commit: str
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> BuildInfo:
+        if not path.exists():
+            raise HarnessError("no wheel has been built yet: run `python -m harness build`")
+        data = json.loads(path.read_text())
+        data["stock_kernels"] = tuple(data["stock_kernels"])
+        return cls(**data)
+
+
+def compiled_changes(tree: Path, base: str) -> list[str]:
+    """Files under :data:`COMPILED_PATHS` that the series changes."""
+    names = git(tree, "diff", "--name-only", f"{base}..HEAD").stdout.split()
+    return [
+        n
+        for n in names
+        if any(n.startswith(p) if p.endswith("/") else n == p for p in COMPILED_PATHS)
+    ]
+
+
+def venv_python(project: Project) -> Path:
+    return project.work / "venv" / "bin" / "python"
+
+
+def uv_env() -> dict[str, str]:
+    """uv never downloads a Python interpreter for the harness."""
+    return {"UV_PYTHON_DOWNLOADS": "never", "UV_PYTHON_PREFERENCE": "only-system"}
+
+
+def ensure_venv(project: Project, requirements: list[str]) -> Path:
+    """The harness venv (uv), with ``requirements`` installed; reused when unchanged."""
+    python = venv_python(project)
+    if not python.exists():
+        run(["uv", "venv", "--python", project.pin.python, str(python.parent.parent)], env=uv_env())
+    stamp = python.parent.parent / ".harness-requirements"
+    wanted = "\n".join(sorted(requirements))
+    if not stamp.exists() or wanted not in stamp.read_text():
+        run(
+            ["uv", "pip", "install", "--python", str(python), *requirements],
+            env={**uv_env(), "PIP_CONSTRAINT": ""},
+        )
+        with stamp.open("a") as fh:
+            fh.write(wanted + "\n")
+    return python
+
+
+def build_requirements(tree: Path) -> list[str]:
+    """vLLM's own ``[build-system].requires`` (it pins torch)."""
+    data = tomllib.loads((tree / "pyproject.toml").read_text())
+    return [r.replace(" ", "") for r in data["build-system"]["requires"]]
+
+
+def snapshot(tree: Path, dest: Path, paths: tuple[str, ...] = ()) -> None:
+    """Export ``HEAD`` of ``tree`` (or only ``paths`` of it) into a fresh ``dest``."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(
+        ["git", "-C", str(tree), "archive", "--format=tar", "HEAD", *paths],
+        stdout=subprocess.PIPE,
+    )
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise HarnessError(f"git archive failed in {tree}")
+
+
+def build(project: Project, *, full: bool = False, stock_kernels: bool = False) -> BuildInfo:
+    """``python -m harness build``: build the wheel of the applied series."""
+    tree, base = series.prepare(project)
+    series.ensure_clean(tree)
+    series.ensure_exported(project, tree, base)
+    changed = compiled_changes(tree, base)
+    if changed and not full and not stock_kernels:
+        raise HarnessError(
+            "the series changes compiled sources, which a python-only build would "
+            "silently replace with the release's binaries:\n  "
+            + "\n  ".join(changed)
+            + "\nBuild those kernels with `python -m harness kernels` (tests load them "
+            "from there) and pass --stock-kernels to build the Python part anyway, or "
+            "use --full on a host with CUDA and network access."
+        )
+    pin = project.pin
+    python = ensure_venv(project, build_requirements(tree))
+    src = project.work / "build" / "src"
+    progress(f"snapshot of series ({git(tree, 'rev-parse', '--short', 'HEAD').stdout.strip()})")
+    snapshot(tree, src)
+    digest = series.series_hash(project)
+    env = {
+        **uv_env(),
+        # A local version label ties the wheel to the series it was built from.
+        "SETUPTOOLS_SCM_PRETEND_VERSION": f"{pin.release.version}+series.{digest}",
+        "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 2)),
+    }
+    if not full:
+        wheel = fetch(project, pin.wheel, pin.wheel_sha256)
+        env |= {"VLLM_USE_PRECOMPILED": "1", "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel)}
+    dist = project.work / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    progress("building the wheel (python-only: about a minute)" if not full else "full build")
+    run(
+        [
+            "uv",
+            "build",
+            "--wheel",
+            "--no-build-isolation",
+            "--python",
+            str(python),
+            "--out-dir",
+            str(dist),
+            str(src),
+        ],
+        env=env,
+    )
+    (built,) = dist.glob("vllm-*.whl")
+    info = BuildInfo(
+        wheel=str(built),
+        wheel_sha256=sha256_file(built),
+        mode="full" if full else "python-only",
+        stock_kernels=tuple(changed if not full else ()),
+        series_hash=digest,
+        tree_commit=git(tree, "rev-parse", "HEAD").stdout.strip(),
+    )
+    info.write(dist / "build.json")
+    progress(f"built {built.name}")
+    return info
+
+
+def built(project: Project) -> BuildInfo:
+    """The last build's record (``.work/dist/build.json``)."""
+    return BuildInfo.read(project.work / "dist" / "build.json")

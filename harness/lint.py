@@ -1,0 +1,87 @@
+"""vLLM's own checks, on the files the series touches.
+
+The checks and tool versions are the patched tree's: ruff and typos at the
+revisions its ``.pre-commit-config.yaml`` pins, mypy through its
+``tools/pre_commit/mypy.py`` (Python 3.11), and its local hooks for SPDX
+headers, test tethering, ``torch.cuda`` calls, config docstrings, forbidden
+imports and boolean context managers. They run in the harness venv, which has
+the built wheel installed, so mypy resolves vLLM's dependencies.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from harness import build, series, test
+from harness.project import HarnessError, Project, git, progress
+
+# Local hooks of vLLM's pre-commit config that take file names, and what they check.
+LOCAL_HOOKS = {
+    "check_spdx_header.py": "SPDX headers",
+    "check_torch_cuda.py": "no new torch.cuda calls",
+    "validate_config.py": "config fields have defaults and docstrings",
+    "check_forbidden_imports.py": "forbidden imports",
+    "check_boolean_context_manager.py": "boolean ops in with-statements",
+}
+
+
+def pinned_tools(tree: Path) -> list[str]:
+    """ruff, typos and mypy (with its stub packages) as the tree's pre-commit pins them."""
+    config = (tree / ".pre-commit-config.yaml").read_text()
+
+    def rev(repo: str) -> str:
+        match = re.search(rf"repo: \S*/{repo}\s+rev: v?([\w.]+)", config)
+        if not match:
+            raise HarnessError(f"no {repo} revision in the tree's .pre-commit-config.yaml")
+        return match.group(1)
+
+    mypy = re.search(r"additional_dependencies: \[(\"mypy==[^\]]*)\]", config)
+    if not mypy:
+        raise HarnessError("no mypy pin in the tree's .pre-commit-config.yaml")
+    mypy_deps = [d.strip().strip('"') for d in mypy.group(1).split(",")]
+    return [f"ruff=={rev('ruff-pre-commit')}", f"typos=={rev('typos')}", *mypy_deps, "PyYAML"]
+
+
+def lint(project: Project) -> list[str]:
+    """``python -m harness lint``: run the checks; return the names of those that failed."""
+    tree, base = series.prepare(project)
+    series.ensure_clean(tree)
+    changed = git(tree, "diff", "--name-only", "--diff-filter=AM", f"{base}..HEAD").stdout.split()
+    python_files = [f for f in changed if f.endswith(".py")]
+    if not changed:
+        progress("the series changes no files; nothing to lint")
+        return []
+    python = test.install_wheel(project, build.built(project))
+    build.ensure_venv(project, pinned_tools(tree))
+    bindir = python.parent
+    checks: list[tuple[str, list[str]]] = [
+        ("typos", [str(bindir / "typos"), "--force-exclude", *changed]),
+    ]
+    if python_files:
+        checks += [
+            ("ruff check", [str(bindir / "ruff"), "check", *python_files]),
+            ("ruff format", [str(bindir / "ruff"), "format", "--check", "--diff", *python_files]),
+            ("mypy", [str(python), "tools/pre_commit/mypy.py", "3.11", *python_files]),
+            (
+                "test tethering",
+                [
+                    str(python),
+                    "tools/pre_commit/check_test_tethering.py",
+                    *[f for f in python_files if f.startswith("tests/")],
+                ],
+            ),
+        ]
+        checks += [
+            (what, [str(python), f"tools/pre_commit/{hook}", *python_files])
+            for hook, what in LOCAL_HOOKS.items()
+        ]
+    failed = []
+    for name, cmd in checks:
+        progress(f"lint: {name}")
+        proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            failed.append(name)
+            print(f"--- {name} failed ---\n{proc.stdout}{proc.stderr}")
+    return failed

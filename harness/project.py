@@ -1,0 +1,200 @@
+"""Project layout, the base pin, and the small helpers every stage shares.
+
+Everything the harness writes outside the repository goes under two roots:
+
+* the *cache* (``$VLLM_SERIES_CACHE``, default ``~/.cache/vllm-series``):
+  downloaded, hash-checked release files; safe to share between clones;
+* the *work area* (``$VLLM_SERIES_WORK``, default ``<repo>/.work``): the
+  materialized vLLM git tree, venvs and built wheels of this clone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class HarnessError(RuntimeError):
+    """A failure the user can act on; the CLI prints it without a traceback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """Author and committer of every commit the harness makes."""
+
+    name: str
+    email: str
+    date: str
+
+    def env(self) -> dict[str, str]:
+        """Git environment that pins author, committer and both dates."""
+        return {
+            "GIT_AUTHOR_NAME": self.name,
+            "GIT_AUTHOR_EMAIL": self.email,
+            "GIT_AUTHOR_DATE": self.date,
+            "GIT_COMMITTER_NAME": self.name,
+            "GIT_COMMITTER_EMAIL": self.email,
+            "GIT_COMMITTER_DATE": self.date,
+        }
+
+    @property
+    def signoff(self) -> str:
+        return f"Signed-off-by: {self.name} <{self.email}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """One vLLM release the harness can materialize from its sdist."""
+
+    version: str
+    sdist_sha256: str
+
+    @property
+    def tag(self) -> str:
+        return f"v{self.version}"
+
+    @property
+    def sdist(self) -> str:
+        return f"vllm-{self.version}.tar.gz"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """The contents of ``patches/base.toml``."""
+
+    release: Release
+    upstream_commit: str
+    base_commit: str
+    wheel: str
+    wheel_sha256: str
+    torch: str
+    flashinfer: str
+    python: str
+    identity: Identity
+    matrix: tuple[Release, ...]
+
+    @classmethod
+    def load(cls, path: Path) -> Pin:
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise HarnessError(f"cannot read the base pin {path}: {exc}") from exc
+        base = data["base"]
+        release = Release(base["version"], base["sdist_sha256"])
+        if base["sdist"] != release.sdist or base["tag"] != release.tag:
+            raise HarnessError(f"{path}: sdist/tag do not match version {release.version}")
+        return cls(
+            release=release,
+            upstream_commit=base["upstream_commit"],
+            base_commit=base["base_commit"],
+            wheel=base["wheel"],
+            wheel_sha256=base["wheel_sha256"],
+            torch=base["torch"],
+            flashinfer=base["flashinfer"],
+            python=base["python"],
+            identity=Identity(**data["identity"]),
+            matrix=tuple(Release(m["version"], m["sdist_sha256"]) for m in data.get("matrix", [])),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Project:
+    """Where things are: the repository, its patches, the cache, the work area."""
+
+    root: Path
+    cache: Path
+    work: Path
+
+    @classmethod
+    def discover(cls, root: Path = REPO, env: Mapping[str, str] = os.environ) -> Project:
+        cache = env.get("VLLM_SERIES_CACHE") or str(Path.home() / ".cache" / "vllm-series")
+        work = env.get("VLLM_SERIES_WORK") or str(root / ".work")
+        return cls(root=root, cache=Path(cache), work=Path(work))
+
+    @property
+    def patches(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def pin(self) -> Pin:
+        return Pin.load(self.patches / "base.toml")
+
+    @property
+    def tree(self) -> Path:
+        """The materialized vLLM git tree the series is applied in."""
+        return self.work / "vllm"
+
+    @property
+    def results(self) -> Path:
+        return self.root / "results"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# Git reads no user or system configuration through the harness: aliases,
+# format.* or am.* settings on one machine must not change the patches or the
+# commit ids produced on another.
+_GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_TERMINAL_PROMPT": "0",
+    "LC_ALL": "C",
+    "TZ": "UTC",
+}
+
+
+def git(
+    repo: Path,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``git -C repo args`` with a neutral configuration; capture output."""
+    full_env = {**os.environ, **_GIT_ENV, **(env or {})}
+    proc = subprocess.run(
+        ["git", "-C", str(repo), "-c", "core.autocrlf=false", "-c", "core.abbrev=12", *args],
+        env=full_env,
+        text=True,
+        capture_output=True,
+        check=False,
+    )
+    if check and proc.returncode != 0:
+        raise HarnessError(
+            f"git {' '.join(args)} failed in {repo} (exit {proc.returncode}):\n"
+            f"{proc.stderr.strip() or proc.stdout.strip()}"
+        )
+    return proc
+
+
+def run(
+    cmd: Sequence[str | os.PathLike[str]],
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Run a command with its output streamed to the terminal; raise on failure."""
+    progress("$ " + " ".join(str(c) for c in cmd))
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env={**os.environ, **(env or {})}, check=False
+    )
+    if proc.returncode != 0:
+        raise HarnessError(f"{Path(str(cmd[0])).name} exited with {proc.returncode}")
+
+
+def progress(message: str) -> None:
+    """One line of progress on stderr, so long steps never look stuck."""
+    print(f"[harness] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,147 @@
+"""Stage 4: run the tests the series adds or touches, against the built wheel.
+
+The tests come from the patched tree, copied next to (not into) the venv, so
+``import vllm`` resolves to the installed wheel and ``import tests...`` to the
+copy. The same command serves both tiers: vLLM's own ``current_platform``
+checks skip GPU tests on hosts without one, and the report counts those skips,
+with their reasons, apart from passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from harness import build, series
+from harness.project import HarnessError, Project, git, progress, run
+
+# What vLLM's tests/conftest.py imports beyond vLLM's own dependencies.
+TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TestReport:
+    """Counts from one pytest run, with each skip's reason."""
+
+    tests: tuple[str, ...]
+    passed: int
+    failed: int
+    errors: int
+    skipped: tuple[tuple[str, str], ...]  # (test id, reason)
+    gpu: str  # the GPU pytest ran on, or "none"
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and self.errors == 0
+
+    def summary(self) -> str:
+        return (
+            f"series tests: {self.passed} passed, {self.failed} failed, "
+            f"{self.errors} errors, {len(self.skipped)} skipped (GPU: {self.gpu})"
+        )
+
+
+def parse_junit(path: Path, tests: tuple[str, ...], gpu: str) -> TestReport:
+    """Read pytest's JUnit XML into a :class:`TestReport`."""
+    passed = failed = errors = 0
+    skipped: list[tuple[str, str]] = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome = next(iter(case), None)
+        if outcome is None or outcome.tag in ("system-out", "system-err", "properties"):
+            passed += 1
+        elif outcome.tag == "skipped":
+            skipped.append((name, outcome.get("message", "")))
+        elif outcome.tag == "failure":
+            failed += 1
+        elif outcome.tag == "error":
+            errors += 1
+    return TestReport(tests, passed, failed, errors, tuple(skipped), gpu)
+
+
+def detect_gpu() -> str:
+    """The first GPU's name from ``nvidia-smi``, or ``"none"``."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "none"
+    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else "none"
+
+
+def install_wheel(project: Project, info: build.BuildInfo) -> Path:
+    """The harness venv with the built wheel (and its dependencies) installed."""
+    python = build.ensure_venv(project, TEST_REQUIREMENTS)
+    stamp = python.parent.parent / ".harness-wheel"
+    if not stamp.exists() or stamp.read_text() != info.wheel_sha256:
+        progress(f"installing {Path(info.wheel).name} into the harness venv")
+        run(
+            [
+                "uv",
+                "pip",
+                "install",
+                "--python",
+                str(python),
+                "--reinstall-package",
+                "vllm",
+                info.wheel,
+            ],
+            env={**build.uv_env(), "PIP_CONSTRAINT": ""},
+        )
+        stamp.write_text(info.wheel_sha256)
+    return python
+
+
+def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestReport:
+    """``python -m harness test``: pytest over the series' tests, from the patched tree."""
+    tree, base = series.prepare(project)
+    series.ensure_clean(tree)
+    info = build.built(project)
+    head = git(tree, "rev-parse", "HEAD").stdout.strip()
+    if info.tree_commit != head:
+        raise HarnessError(
+            "the built wheel is from another commit of the tree; run `python -m harness build`"
+        )
+    tests = tuple(series.touched_tests(tree, base))
+    gpu = detect_gpu()
+    if not tests:
+        report = TestReport(tests, 0, 0, 0, (), gpu)
+        progress("the series adds or changes no tests; nothing to run")
+        return report
+    python = install_wheel(project, info)
+    rundir = project.work / "testrun"
+    # tests/ and pyproject.toml (pytest markers) only: `vllm` must come from the wheel
+    build.snapshot(tree, rundir, ("tests", "pyproject.toml"))
+    junit = project.work / "test-report.xml"
+    progress(f"running {len(tests)} test file(s) on GPU: {gpu}")
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+            "-q",
+            f"--junitxml={junit}",
+            *tests,
+            *(pytest_args or []),
+        ],
+        cwd=rundir,
+        check=False,
+    )
+    if proc.returncode not in (0, 1) or not junit.exists():
+        raise HarnessError(f"pytest could not run the series' tests (exit {proc.returncode})")
+    report = parse_junit(junit, tests, gpu)
+    (project.work / "test-report.json").write_text(
+        json.dumps(dataclasses.asdict(report), indent=2) + "\n"
+    )
+    return report

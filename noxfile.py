@@ -1,0 +1,83 @@
+"""nox sessions: a thin layer over ``python -m harness`` (see README.md).
+
+``nox -s apply build test`` is the main job; plain ``nox`` runs everything CI
+runs. Sessions stop at the first failure, and neither nox nor uv downloads a
+Python interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.needs_version = ">=2026.8.10"
+nox.options.default_venv_backend = "uv"
+nox.options.stop_on_first_error = True
+nox.options.error_on_missing_interpreters = True
+nox.options.download_python = "never"
+nox.options.sessions = ["harness", "apply", "check", "build", "test", "lint"]
+os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
+
+PYTHON = "3.11"
+
+
+def _harness(session: nox.Session, *args: str) -> None:
+    session.run("python", "-m", "harness", *args, external=True)
+
+
+@nox.session(python=PYTHON)
+def harness(session: nox.Session) -> None:
+    """The harness's own tests (fast, offline) plus ruff and mypy on it."""
+    session.install("pytest", "ruff", "mypy")
+    session.run("ruff", "check", "harness", "tests", "noxfile.py", "scripts")
+    session.run("mypy", "harness")
+    session.run("pytest", "-q", "tests", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def base(session: nox.Session) -> None:
+    """Fetch, verify and materialize the pinned vLLM base as a git tree."""
+    _harness(session, "base")
+
+
+@nox.session(venv_backend="none")
+def apply(session: nox.Session) -> None:
+    """Apply patches/ on the base as commits (refuses unexported work)."""
+    _harness(session, "apply")
+
+
+@nox.session(venv_backend="none")
+def export(session: nox.Session) -> None:
+    """Regenerate patches/ from the tree (`-- --signoff 'Name <email>' --out DIR`: submission)."""
+    _harness(session, "export", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def check(session: nox.Session) -> None:
+    """Round trip byte for byte, standalone commits, SERIES.md up to date."""
+    _harness(session, "check")
+
+
+@nox.session(venv_backend="none")
+def build(session: nox.Session) -> None:
+    """Python-only wheel of the series; compiled changes are built by `nox -s kernels`."""
+    _harness(session, "build", "--stock-kernels", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def test(session: nox.Session) -> None:
+    """The series' tests against the built wheel (pytest args after `--`)."""
+    _harness(session, "test", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """vLLM's own checks on the files the series touches."""
+    _harness(session, "lint")
+
+
+@nox.session(venv_backend="none")
+def doc(session: nox.Session) -> None:
+    """Regenerate SERIES.md's generated blocks."""
+    _harness(session, "doc")

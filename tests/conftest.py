@@ -1,0 +1,102 @@
+"""Fixtures: a synthetic release sdist and a project laid out like this one.
+
+Nothing here touches the network or the real vLLM release: the "release" is a
+tiny tarball made in a temporary directory, placed in a temporary cache with
+its hash pinned in a temporary ``patches/base.toml``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from harness import base
+from harness.project import Identity, Project, git
+
+IDENTITY = Identity("Series Bot", "bot@example.invalid", "2026-01-01T00:00:00+00:00")
+
+FILES = {
+    "setup.py": "print('setup')\n",
+    "csrc/kernel.cu": "int kernel() { return 1; }\n",
+    "vllm/__init__.py": "VALUE = 1\n",
+    "vllm/layer.py": "".join(f"line {i}\n" for i in range(40)),
+    "tests/test_layer.py": "def test_value():\n    assert True\n",
+}
+
+
+def make_sdist(path: Path, version: str, files: dict[str, str]) -> str:
+    """Write a gzip'd tarball ``vllm-<version>/...``; return its sha256."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, content in sorted(files.items()):
+            data = content.encode()
+            info = tarfile.TarInfo(f"vllm-{version}/{name}")
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    path.write_bytes(buf.getvalue())
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def write_pin(root: Path, version: str, sha: str, base_commit: str) -> None:
+    (root / "patches").mkdir(parents=True, exist_ok=True)
+    (root / "patches" / "base.toml").write_text(
+        f"""[base]
+project = "vllm"
+version = "{version}"
+tag = "v{version}"
+upstream_commit = "0000000"
+base_commit = "{base_commit}"
+sdist = "vllm-{version}.tar.gz"
+sdist_sha256 = "{sha}"
+wheel = "vllm-{version}-none.whl"
+wheel_sha256 = "0"
+torch = "2.14.0"
+flashinfer = "0.7.2.post1"
+python = "3.11"
+
+[identity]
+name = "{IDENTITY.name}"
+email = "{IDENTITY.email}"
+date = "{IDENTITY.date}"
+"""
+    )
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Project:
+    """A project whose pinned base (version 1.0.0) is cached and materialized."""
+    proj = Project(root=tmp_path / "repo", cache=tmp_path / "cache", work=tmp_path / "work")
+    (proj.cache / "dist").mkdir(parents=True)
+    sha = make_sdist(proj.cache / "dist" / "vllm-1.0.0.tar.gz", "1.0.0", FILES)
+    write_pin(proj.root, "1.0.0", sha, "unknown")
+    commit = base.materialize(proj, proj.pin.release, proj.tree, proj.pin.identity)
+    write_pin(proj.root, "1.0.0", sha, commit)
+    (proj.patches / "series").write_text("")
+    (proj.root / "SERIES.md").write_text("# series\n")
+    return proj
+
+
+CommitFn = Callable[[str, dict[str, str]], str]
+
+
+@pytest.fixture
+def commit(project: Project) -> CommitFn:
+    """Make a commit on the project's tree: ``commit(subject, {path: content})``."""
+
+    def make(subject: str, changes: dict[str, str]) -> str:
+        for name, content in changes.items():
+            target = project.tree / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(content)
+        git(project.tree, "add", "--all")
+        message = f"{subject}\n\nWhy it matters.\n\n{IDENTITY.signoff}\n"
+        git(project.tree, "commit", "-q", "-m", message, env=IDENTITY.env())
+        return git(project.tree, "rev-parse", "HEAD").stdout.strip()
+
+    return make
