@@ -77,6 +77,12 @@ def lint(session: nox.Session) -> None:
     _harness(session, "lint")
 
 
+@nox.session(venv_backend="none", default=False)
+def matrix(session: nox.Session) -> None:
+    """Classify each patch on vLLM 0.30.0-0.33.0 (downloads three more sdists)."""
+    _harness(session, "matrix")
+
+
 @nox.session(venv_backend="none")
 def doc(session: nox.Session) -> None:
     """Regenerate SERIES.md's generated blocks."""

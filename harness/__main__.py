@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness import build, document, lint, series, test
+from harness import build, document, lint, matrix, series, test
 from harness.project import HarnessError, Identity, Project
 
 
@@ -80,6 +80,14 @@ def _cmd_doc(project: Project, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
+    data = matrix.run_matrix(project)
+    for row in data["rows"]:
+        cells = ", ".join(f"{v}: {c['outcome']}" for v, c in row["cells"].items())
+        print(f"{row['patch']}: {cells}")
+    return 0
+
+
 Handler = Callable[[Project, argparse.Namespace], int]
 
 
@@ -142,6 +150,12 @@ def parser() -> argparse.ArgumentParser:
         "alone on their stated base, SERIES.md is up to date",
     )
     add("doc", _cmd_doc, "regenerate SERIES.md's generated blocks")
+    add(
+        "matrix",
+        _cmd_matrix,
+        "classify each patch on the releases listed in patches/base.toml "
+        "(clean / 3way / rebase / upstream); writes results/matrix.json and SERIES.md",
+    )
     return top
 
 

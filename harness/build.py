@@ -142,7 +142,12 @@ def build(project: Project, *, full: bool = False, stock_kernels: bool = False) 
         env |= {"VLLM_USE_PRECOMPILED": "1", "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel)}
     dist = project.work / "dist"
     shutil.rmtree(dist, ignore_errors=True)
-    progress("building the wheel (python-only: about a minute)" if not full else "full build")
+    dist.mkdir(parents=True)
+    log = dist / "build.log"
+    progress(
+        f"building the wheel ({'python-only: about a minute' if not full else 'full CUDA build'});"
+        f" log: {log}"
+    )
     run(
         [
             "uv",
@@ -156,6 +161,7 @@ def build(project: Project, *, full: bool = False, stock_kernels: bool = False) 
             str(src),
         ],
         env=env,
+        log=log,
     )
     (built,) = dist.glob("vllm-*.whl")
     info = BuildInfo(

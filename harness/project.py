@@ -10,6 +10,7 @@ Everything the harness writes outside the repository goes under two roots:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -185,14 +186,28 @@ def run(
     *,
     cwd: Path | None = None,
     env: Mapping[str, str] | None = None,
+    log: Path | None = None,
 ) -> None:
-    """Run a command with its output streamed to the terminal; raise on failure."""
+    """Run a command; stream its output to the terminal, or to ``log`` if given.
+
+    On failure with a log, the log's last lines are part of the error.
+    """
     progress("$ " + " ".join(str(c) for c in cmd))
-    proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env={**os.environ, **(env or {})}, check=False
-    )
+    with open(log, "w") if log else contextlib.nullcontext() as out:
+        proc = subprocess.run(
+            [str(c) for c in cmd],
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT if log else None,
+            check=False,
+        )
     if proc.returncode != 0:
-        raise HarnessError(f"{Path(str(cmd[0])).name} exited with {proc.returncode}")
+        tail = "\n".join(log.read_text().splitlines()[-30:]) if log else ""
+        raise HarnessError(
+            f"{Path(str(cmd[0])).name} exited with {proc.returncode}"
+            + (f"; last lines of {log}:\n{tail}" if log else "")
+        )
 
 
 def progress(message: str) -> None:

@@ -215,6 +215,12 @@ def apply_patch(tree: Path, patch: Path, identity: Identity, *, abort: bool) -> 
         check=False,
     )
     if am.returncode != 0:
+        reverse = git(tree, "apply", "--check", "--reverse", str(patch), check=False)
+        if reverse.returncode == 0:
+            # Without the patch's pre-image blobs am cannot see that the change is
+            # already there; the reverse patch applying cleanly shows it.
+            git(tree, "am", "--abort", env=committer)
+            return PatchResult(patch.name, Outcome.UPSTREAM, detail="its reverse applies")
         result = _failure(patch, check.stderr + check.stdout, am.stdout + am.stderr)
         if abort:
             git(tree, "am", "--abort", env=committer)
