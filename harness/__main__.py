@@ -76,7 +76,7 @@ def _cmd_check(project: Project, args: argparse.Namespace) -> int:
 
 def _cmd_doc(project: Project, args: argparse.Namespace) -> int:
     changed = document.update(project)
-    print("SERIES.md " + ("updated" if changed else "already up to date"))
+    print("updated: " + ", ".join(changed) if changed else "documents already up to date")
     return 0
 
 

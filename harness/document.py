@@ -1,8 +1,8 @@
-"""The generated parts of SERIES.md.
+"""The generated parts of SERIES.md and results/README.md.
 
-SERIES.md mixes prose with blocks between ``<!-- BEGIN GENERATED: name -->``
-and ``<!-- END GENERATED: name -->`` markers. ``python -m harness doc``
-rewrites the blocks from the pin, the patches, ``patches/notes.toml`` and
+Both mix prose with blocks between ``<!-- BEGIN GENERATED: name -->`` and
+``<!-- END GENERATED: name -->`` markers. ``python -m harness doc`` rewrites
+the blocks from the pin, the patches, ``patches/notes.toml`` and
 ``results/``; ``python -m harness check`` fails when a block is stale.
 """
 
@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from harness import series
+from harness import results, series
 from harness.project import HarnessError, Project
 
 _BLOCK = re.compile(
@@ -105,7 +105,10 @@ RENDERERS: dict[str, Callable[[Project], str]] = {
     "header": render_header,
     "commits": render_commits,
     "matrix": render_matrix,
+    "claims": results.render_claims,
 }
+
+DOCUMENTS = ("SERIES.md", "results/README.md")
 
 
 def render(project: Project, text: str) -> str:
@@ -114,22 +117,32 @@ def render(project: Project, text: str) -> str:
     def replace(match: re.Match[str]) -> str:
         name = match.group("name")
         if name not in RENDERERS:
-            raise HarnessError(f"SERIES.md has an unknown generated block {name!r}")
+            raise HarnessError(f"unknown generated block {name!r}")
         return match.group(1) + RENDERERS[name](project) + match.group(3)
 
     return _BLOCK.sub(replace, text)
 
 
-def update(project: Project) -> bool:
-    """Rewrite SERIES.md's generated blocks; return whether anything changed."""
-    path = project.root / "SERIES.md"
-    text = path.read_text()
-    new = render(project, text)
-    if new != text:
-        path.write_text(new)
-    return new != text
+def update(project: Project) -> list[str]:
+    """Rewrite the documents' generated blocks; return the documents that changed."""
+    changed = []
+    for name in DOCUMENTS:
+        path = project.root / name
+        if not path.exists():
+            continue
+        text = path.read_text()
+        new = render(project, text)
+        if new != text:
+            path.write_text(new)
+            changed.append(name)
+    return changed
 
 
-def stale(project: Project) -> bool:
-    text = (project.root / "SERIES.md").read_text()
-    return render(project, text) != text
+def stale(project: Project) -> list[str]:
+    """Documents whose generated blocks are out of date."""
+    return [
+        name
+        for name in DOCUMENTS
+        if (project.root / name).exists()
+        and render(project, (project.root / name).read_text()) != (project.root / name).read_text()
+    ]

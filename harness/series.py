@@ -407,13 +407,16 @@ def check_round_trip(project: Project, tree: Path, base: str) -> list[str]:
 
 def check(project: Project) -> list[str]:
     """``python -m harness check``: round trip, standalone commits, fresh SERIES.md."""
-    from harness import document
+    from harness import document, results
 
     tree, base = prepare(project)
     problems = check_round_trip(project, tree, base)
+    problems += results.check_all(project.root)
     problems += check_standalone(project, tree, base)
-    if document.stale(project):
-        problems.append("SERIES.md's generated blocks are stale: run `python -m harness doc`")
+    problems += [
+        f"{name}: generated blocks are stale; run `python -m harness doc`"
+        for name in document.stale(project)
+    ]
     return problems
 
 

@@ -1,0 +1,174 @@
+"""Stage 6: results with provenance, and the claims table in ``results/README.md``.
+
+Every result file is one JSON object::
+
+    {"schema": 1, "kind": "...", "provenance": {...}, "data": {...}}
+
+``provenance`` names what ran (command, date), where (host, GPU, driver, CUDA,
+torch, Python) and on what (vLLM base pin, series hash, tree commit, wheel
+hash). Scripts that run on a GPU host import this module straight from the
+repository copy that travels with them; it needs only the standard library
+(torch is used when it is importable).
+
+``results/claims.toml`` lists the seeds' claims; ``python -m harness results``
+renders them, with our value read from the result files, into the generated
+block of ``results/README.md``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from harness.project import HarnessError, Project
+
+SCHEMA = 1
+REQUIRED = ("command", "date", "host", "gpu", "driver", "cuda", "torch", "python", "base")
+
+
+def _nvidia_smi() -> tuple[str, str]:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "none", "none"
+    if out.returncode != 0 or not out.stdout.strip():
+        return "none", "none"
+    names = [line.split(",")[0].strip() for line in out.stdout.strip().splitlines()]
+    driver = out.stdout.strip().splitlines()[0].split(",")[1].strip()
+    gpu = names[0] if len(set(names)) == 1 else "; ".join(names)
+    return (f"{len(names)}x {gpu}" if len(names) > 1 else gpu), driver
+
+
+def _torch() -> tuple[str, str]:
+    try:
+        import torch
+    except ImportError:
+        return "not installed", "none"
+    return torch.__version__, str(torch.version.cuda or "none")
+
+
+def _series(project: Project) -> dict[str, str]:
+    from harness import series
+
+    info: dict[str, str] = {}
+    try:
+        info["series_hash"] = series.series_hash(project)
+    except (OSError, HarnessError):
+        info["series_hash"] = "unknown"
+    build_json = project.work / "dist" / "build.json"
+    if build_json.exists():
+        built = json.loads(build_json.read_text())
+        info["wheel_sha256"] = built["wheel_sha256"]
+        info["tree_commit"] = built["tree_commit"]
+    return info
+
+
+def provenance(command: str | list[str] | None = None, **extra: str) -> dict[str, Any]:
+    """Where, when and on what a result was produced."""
+    project = Project.discover()
+    pin = project.pin
+    gpu, driver = _nvidia_smi()
+    torch_version, cuda = _torch()
+    if command is None:
+        command = [Path(sys.argv[0]).name, *sys.argv[1:]]
+    return {
+        "command": command if isinstance(command, str) else shlex.join(command),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node() or "unknown",
+        "gpu": gpu,
+        "driver": driver,
+        "cuda": cuda,
+        "torch": torch_version,
+        "python": platform.python_version(),
+        "base": {
+            "version": pin.release.version,
+            "sdist_sha256": pin.release.sdist_sha256,
+            "upstream_commit": pin.upstream_commit,
+            "base_commit": pin.base_commit,
+        },
+        **_series(project),
+        **extra,
+    }
+
+
+def write(path: Path, kind: str, data: dict[str, Any], prov: dict[str, Any]) -> Path:
+    """Write one result file; refuse one whose provenance lacks a required field."""
+    missing = [k for k in REQUIRED if k not in prov]
+    if missing:
+        raise HarnessError(f"provenance for {path} lacks {missing}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"schema": SCHEMA, "kind": kind, "provenance": prov, "data": data}
+    path.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def validate(path: Path) -> list[str]:
+    """Problems with one result file (empty when it is well-formed)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return [f"{path}: unreadable: {exc}"]
+    problems = []
+    if record.get("schema") != SCHEMA:
+        problems.append(f"{path}: schema is {record.get('schema')!r}, expected {SCHEMA}")
+    prov = record.get("provenance", {})
+    problems += [f"{path}: provenance lacks {k}" for k in REQUIRED if k not in prov]
+    if "data" not in record:
+        problems.append(f"{path}: no data")
+    return problems
+
+
+def lookup(root: Path, ref: str) -> Any:
+    """Resolve ``file.json#/a/b/0`` (a JSON pointer into a result file under ``root``)."""
+    file, _, pointer = ref.partition("#")
+    value: Any = json.loads((root / file).read_text())
+    for part in filter(None, pointer.split("/")):
+        value = value[int(part)] if isinstance(value, list) else value[part]
+    return value
+
+
+def render_claims(project: Project) -> str:
+    """The claims table: seed value, ours (read from the result files), method, command."""
+    claims = tomllib.loads((project.results / "claims.toml").read_text())["claim"]
+    lines = [
+        "| claim | seed | ours | method | command | file |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for claim in claims:
+        ours = claim.get("ours", "not run here")
+        if ref := claim.get("ours_from"):
+            try:
+                ours = str(lookup(project.root, ref))
+            except (OSError, KeyError, IndexError, ValueError) as exc:
+                raise HarnessError(f"claim {claim['id']}: cannot read {ref}: {exc}") from exc
+        file = claim.get("file", "")
+        link = f"[{Path(file).name}]({os.path.relpath(project.root / file, project.results)})"
+        lines.append(
+            f"| {claim['id']}: {claim['claim']} | {claim['seed']} | {ours} | {claim['method']} "
+            f"| `{claim['command']}` | {link if file else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def check_all(root: Path) -> list[str]:
+    """Validate every result JSON under ``results/``."""
+    problems: list[str] = []
+    for path in sorted((root / "results").rglob("*.json")):
+        if path.name == "matrix.json":
+            continue
+        problems += validate(path)
+    return problems

@@ -1,0 +1,69 @@
+"""SERIES.md and results/README.md: generated blocks and the claims table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import document, results, series
+from harness.project import HarnessError
+
+
+def test_series_md_blocks_follow_patches_and_notes(project, commit):
+    commit("[Core] First", {"vllm/__init__.py": "VALUE = 2\n", "tests/x/test_first.py": "a = 1\n"})
+    series.export(project)
+    (project.patches / "notes.toml").write_text(
+        '[[commit]]\npatch = "0001-Core-First.patch"\nwhy = "Because."\n'
+        'upstream = "unmerged"\nevidence = ["results/x.json"]\n'
+    )
+    (project.root / "SERIES.md").write_text(
+        "intro\n<!-- BEGIN GENERATED: header -->\n<!-- END GENERATED: header -->\n"
+        "<!-- BEGIN GENERATED: commits -->\nold\n<!-- END GENERATED: commits -->\nouttro\n"
+    )
+    assert document.stale(project) == ["SERIES.md"]
+    assert document.update(project) == ["SERIES.md"]
+    text = (project.root / "SERIES.md").read_text()
+    assert text.startswith("intro\n") and text.endswith("outtro\n")
+    assert f"`{series.series_hash(project)}` (1 patches)" in text
+    assert "### 0001 [Core] First" in text and "- **Why:** Because." in text
+    assert "the bare base" in text and "`tests/x/test_first.py`" in text
+    assert "[results/x.json](results/x.json)" in text
+    assert document.stale(project) == []
+
+
+def test_notes_must_cover_the_series(project, commit):
+    commit("[Core] First", {"vllm/__init__.py": "VALUE = 2\n"})
+    series.export(project)
+    (project.patches / "notes.toml").write_text("")
+    with pytest.raises(HarnessError, match="no entry for"):
+        series.load_notes(project)
+
+
+def test_result_files_carry_provenance(project, tmp_path):
+    prov = {k: "x" for k in results.REQUIRED}
+    path = results.write(tmp_path / "r.json", "demo", {"value": [1, 2]}, prov)
+    assert results.validate(path) == []
+    assert results.lookup(tmp_path, "r.json#/data/value/1") == 2
+    record = json.loads(path.read_text())
+    del record["provenance"]["gpu"]
+    path.write_text(json.dumps(record))
+    assert results.validate(path) == [f"{path}: provenance lacks gpu"]
+    with pytest.raises(HarnessError, match="lacks"):
+        results.write(tmp_path / "s.json", "demo", {}, {"command": "x"})
+
+
+def test_claims_table_reads_our_value_from_the_result(project):
+    (project.root / "results").mkdir()
+    prov = {k: "x" for k in results.REQUIRED}
+    results.write(project.root / "results/a.json", "demo", {"ttft_s": 1.8}, prov)
+    (project.root / "results/claims.toml").write_text(
+        '[[claim]]\nid = "C1"\nclaim = "TTFT"\nseed = "1.81 s"\n'
+        'ours_from = "results/a.json#/data/ttft_s"\nmethod = "replayed at layer level"\n'
+        'command = "nox -s replay"\nfile = "results/a.json"\n\n'
+        '[[claim]]\nid = "C2"\nclaim = "decode"\nseed = "107 tok/s"\n'
+        'method = "runnable-by-user, not run here (no SM120)"\ncommand = "nox -s replay"\n'
+    )
+    table = results.render_claims(project)
+    assert "| C1: TTFT | 1.81 s | 1.8 | replayed at layer level |" in table
+    assert "| C2: decode | 107 tok/s | not run here |" in table
