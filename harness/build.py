@@ -105,7 +105,8 @@ def snapshot(tree: Path, dest: Path, paths: tuple[str, ...] = ()) -> None:
         ["git", "-C", str(tree), "archive", "--format=tar", "HEAD", *paths],
         stdout=subprocess.PIPE,
     )
-    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
+    # -m: file times are "now", not the commit date (which may lie in the future)
+    subprocess.run(["tar", "-x", "-m", "-C", str(dest)], stdin=archive.stdout, check=True)
     if archive.wait() != 0:
         raise HarnessError(f"git archive failed in {tree}")
 
