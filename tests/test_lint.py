@@ -1,0 +1,55 @@
+"""lint: tool pins come from the tree's pre-commit config; only new mypy errors count."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from harness import lint
+
+CONFIG = """repos:
+- repo: https://example.invalid/astral-sh/ruff-pre-commit
+  rev: v0.14.0
+- repo: https://example.invalid/crate-ci/typos
+  rev: v1.43.5
+  - id: mypy
+    additional_dependencies: ["mypy==1.20.2", regex, types-cachetools]
+"""
+
+
+def test_pinned_tools_follow_the_tree(tmp_path):
+    (tmp_path / ".pre-commit-config.yaml").write_text(CONFIG)
+    assert lint.pinned_tools(tmp_path) == [
+        "ruff==0.14.0",
+        "typos==1.43.5",
+        "mypy==1.20.2",
+        "regex",
+        "types-cachetools",
+        "PyYAML",
+    ]
+
+
+def test_only_mypy_errors_the_series_adds_count(project, commit, monkeypatch):
+    commit("[Core] Touch", {"vllm/__init__.py": "VALUE = 2\n", "vllm/new.py": "x = 1\n"})
+    seen: list[tuple[Path, list[str]]] = []
+
+    def fake(tree: Path, files: list[str], python: Path) -> Counter[str]:
+        seen.append((tree, files))
+        old = Counter({"vllm/__init__.py: error A  [misc]": 1})
+        if tree == project.tree:
+            return old + Counter({"vllm/__init__.py: error B  [misc]": 1})
+        return old
+
+    monkeypatch.setattr(lint, "_mypy_errors", fake)
+    files = ["vllm/__init__.py", "vllm/new.py"]
+    new = lint.new_mypy_errors(project.tree, project.pin.base_commit, files, Path("python"))
+    assert new == ["vllm/__init__.py: error B  [misc]"]
+    # The base run only checks files that exist there.
+    assert seen[1][1] == ["vllm/__init__.py"]
+
+
+def test_mypy_output_is_parsed_without_line_numbers():
+    text = "vllm/a.py:12: error: Bad thing  [misc]\nvllm/a.py:3: note: hint\nFound 1 error\n"
+    assert [m["path"] + ": " + m["message"] for m in lint._MYPY_ERROR.finditer(text)] == [
+        "vllm/a.py: Bad thing  [misc]"
+    ]
