@@ -29,7 +29,9 @@ def _harness(session: nox.Session, *args: str) -> None:
 @nox.session(python=PYTHON)
 def harness(session: nox.Session) -> None:
     """The harness's own tests (fast, offline) plus ruff and mypy on it."""
-    session.install("pytest", "ruff", "mypy")
+    # matplotlib: harness.replay's plots; pip: the device runner installs the
+    # carried wheels with it, as it does on a GPU host.
+    session.install("pytest", "ruff", "mypy", "matplotlib", "pip")
     session.run("ruff", "check", "harness", "tests", "noxfile.py", "scripts")
     session.run("mypy", "harness")
     session.run("pytest", "-q", "tests", *session.posargs)
@@ -67,14 +69,36 @@ def build(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def test(session: nox.Session) -> None:
-    """The series' tests against the built wheel (pytest args after `--`)."""
+    """The series' tests against the built wheel (pytest args after `--`), then tests/wheel."""
     _harness(session, "test", *session.posargs)
+    _harness(session, "selftest")
+
+
+@nox.session(venv_backend="none", default=False)
+def replay(session: nox.Session) -> None:
+    """End-to-end replay on a GPU host (`-- ttft --profile glm53-tp2`; `--dry-run` prints it)."""
+    _harness(session, "replay", *session.posargs)
 
 
 @nox.session(venv_backend="none")
 def lint(session: nox.Session) -> None:
     """vLLM's own checks on the files the series touches."""
     _harness(session, "lint")
+
+
+@nox.session(venv_backend="none", default=False)
+def kernels(session: nox.Session) -> None:
+    """Build the series' and the base's Marlin MoE op subsets (`-- --arch 9.0` without a GPU)."""
+    _harness(
+        session, "kernels", "--rev", "series", "--namespace", "marlin_series", *session.posargs
+    )
+    _harness(session, "kernels", "--rev", "v0.33.0", "--namespace", "marlin_base", *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+def bundle(session: nox.Session) -> None:
+    """Pack the device bundle for a GPU host without network (see docs/device-bundle.md)."""
+    _harness(session, "bundle", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness import build, document, lint, matrix, series, test
+from harness import build, bundle, document, kernels, lint, matrix, series, test
 from harness.project import HarnessError, Identity, Project
 
 
@@ -88,6 +88,19 @@ def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
+    built = bundle.build_bundle(
+        project,
+        out=args.out,
+        revision=args.rev,
+        target_sm=args.sm,
+        tests=args.test,
+        extra_kernels=[bundle.ExtraKernel.parse(k) for k in args.kernel],
+    )
+    print(f"{built.path} ({built.total_bytes / bundle.MiB:.1f} MiB)")
+    return 0
+
+
 Handler = Callable[[Project, argparse.Namespace], int]
 
 
@@ -150,13 +163,98 @@ def parser() -> argparse.ArgumentParser:
         "alone on their stated base, SERIES.md is up to date",
     )
     add("doc", _cmd_doc, "regenerate SERIES.md's generated blocks")
+    kernels.add_arguments(
+        add(
+            "kernels",
+            kernels.command,
+            "build the Marlin MoE ops the series changes (NVFP4, bf16) from one revision "
+            "of the tree, for one GPU architecture, under their own op namespace, so a "
+            "stock and a patched build load side by side (minutes, offline)",
+        )
+    )
+    bnd = add(
+        "bundle",
+        _cmd_bundle,
+        "pack the patched tree's vllm/, its tests, the release's kernel libraries pruned "
+        "to one GPU architecture and the wheels a torch-only GPU host lacks into one "
+        "folder (<= 60 MiB); on that host `python3 BUNDLE/device_run.py --out DIR` "
+        "installs it, smoke-checks it and runs the tests (docs/device-bundle.md)",
+    )
+    bnd.add_argument("--out", type=_path, help="bundle folder (default: .bundle)")
+    bnd.add_argument("--rev", default="series", help="tree revision to pack (default: series)")
+    bnd.add_argument("--sm", type=int, default=90, help="target GPU architecture (default: 90)")
+    bnd.add_argument(
+        "--test", action="append", default=[], help="extra test file to carry (repeatable)"
+    )
+    bnd.add_argument(
+        "--kernel",
+        action="append",
+        default=[],
+        metavar="NAMESPACE=PATH",
+        help="a kernel library from `harness kernels` to carry (repeatable)",
+    )
     add(
         "matrix",
         _cmd_matrix,
         "classify each patch on the releases listed in patches/base.toml "
         "(clean / 3way / rebase / upstream); writes results/matrix.json and SERIES.md",
     )
+    _add_replay_commands(add)
     return top
+
+
+def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentParser]) -> None:
+    """``replay``, ``checkpoint`` and ``selftest``: see their modules."""
+    r = add(
+        "replay",
+        _cmd_replay,
+        "replay a seed's end-to-end serving claims: start `vllm serve` from the built wheel "
+        "with a profile's arm, drive it with `vllm bench serve`, sample NVML, write one "
+        "result JSON per run (profiles: harness/data/replay_profiles.toml)",
+    )
+    r.add_argument("experiment", choices=["ttft", "decode", "oom", "plot"])
+    r.add_argument("--profile", default="tiny-synthetic", help="profile name")
+    r.add_argument("--out", type=_path, help="result folder (default: results/replay/DATE-PROFILE)")
+    r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    r.add_argument("--python", type=_path, help="venv python with vLLM (default: harness venv)")
+    r.add_argument("--port", type=int, help="server port (default: a free one)")
+    c = add(
+        "checkpoint",
+        _cmd_checkpoint,
+        "write a small synthetic ModelOpt NVFP4 Qwen3-MoE checkpoint with a byte-level tokenizer",
+    )
+    c.add_argument("out", type=_path)
+    for name in ("layers", "experts", "top_k", "hidden_size", "moe_intermediate_size", "seed"):
+        c.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    s = add("selftest", _cmd_selftest, "the harness tests that need vLLM (tests/wheel)")
+    s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+
+
+def _cmd_replay(project: Project, args: argparse.Namespace) -> int:
+    from harness import replay
+
+    return replay.main(
+        project, args.experiment, args.profile, out=args.out, dry_run=args.dry_run,
+        python=args.python, port=args.port, argv=sys.argv[1:],
+    )  # fmt: skip
+
+
+def _cmd_checkpoint(project: Project, args: argparse.Namespace) -> int:
+    from harness import checkpoint
+
+    fields = ("layers", "experts", "top_k", "hidden_size", "moe_intermediate_size", "seed")
+    spec = checkpoint.Spec(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None})
+    try:
+        print(checkpoint.write(args.out, spec))
+    except ValueError as exc:
+        raise HarnessError(str(exc)) from exc
+    return 0
+
+
+def _cmd_selftest(project: Project, args: argparse.Namespace) -> int:
+    from harness import selftest
+
+    return selftest.run(project, args.pytest_args)
 
 
 def _path(value: str) -> Path:

@@ -441,9 +441,13 @@ def check_standalone(project: Project, tree: Path, base: str) -> list[str]:
     return problems
 
 
-def touched_tests(tree: Path, base: str) -> list[str]:
-    """Test files (``tests/**/test_*.py``) that the commits on top of ``base`` add or change."""
+def touched_tests(tree: Path, base: str, revision: str = "HEAD") -> list[str]:
+    """Test files (``tests/**/test_*.py``) that ``base..revision`` adds or changes.
+
+    ``revision`` defaults to the checked-out commit (``harness test``); the
+    device bundle passes the commit it packs.
+    """
     names = git(
-        tree, "diff", "--name-only", "--diff-filter=AM", f"{base}..HEAD", "--", "tests"
+        tree, "diff", "--name-only", "--diff-filter=AM", f"{base}..{revision}", "--", "tests"
     ).stdout.split()
     return sorted(n for n in names if Path(n).name.startswith("test_") and n.endswith(".py"))

@@ -21,6 +21,11 @@ from harness.project import HarnessError, Project, git, progress, run
 # What vLLM's tests/conftest.py imports beyond vLLM's own dependencies.
 TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib"]
 
+# Left alone, the resolver satisfies flashinfer-python's `cuda-python>=12.0`
+# with 12.6, whose files overwrite cuda-bindings 13 that torch and the CUTLASS
+# DSL (pinned by vLLM) need; ModelOpt configs then fail to import.
+WHEEL_CONSTRAINTS = ["cuda-python>=13"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TestReport:
@@ -93,6 +98,7 @@ def install_wheel(project: Project, info: build.BuildInfo) -> Path:
                 "--reinstall-package",
                 "vllm",
                 info.wheel,
+                *WHEEL_CONSTRAINTS,
             ],
             env={**build.uv_env(), "PIP_CONSTRAINT": ""},
         )

@@ -1,0 +1,344 @@
+"""Layer-level decode replay of the shared expert pool under CUDA graphs.
+
+Builds ``--layers`` synthetic NVFP4 MoE layers of a GLM-like shape (hidden
+4096, intermediate 1024 per rank, 256 experts, top-8; a 4 MiB w13 Marlin row),
+installs the expert pool of the ``dev/pool`` commit over them, and times one
+decode step of all layers, replayed from a CUDA graph, in four scenarios:
+
+* ``resident``: the same layers with every expert on the GPU (stock
+  ``fused_marlin_moe``), the baseline;
+* ``pool_all_hits``: the pool, routes drawn only from resident experts;
+* ``pool_zipf``: the pool, routes drawn from a per-layer Zipf popularity
+  (``--zipf``), the "realistic" miss rate;
+* ``pool_uniform``: the pool, uniformly random routes (worst case).
+
+Each pool scenario uses a fresh pool. Eager warm-up runs with the gate closed,
+then the step is captured and the gate opened, as the worker does. Step time
+is measured with CUDA events around each replay. Miss rates are not read from
+the device during timing: the same route sequence is replayed afterwards
+through the pool's pure-torch reference planner (which the device planner is
+tested to match), from the same initial state.
+
+Needs torch and a vLLM import that contains
+``vllm.model_executor.layers.fused_moe.expert_pool`` (e.g. the 0.33.0 bundle
+with the pool commit's Python files laid over it). Usage, from the repository
+root::
+
+    PYTHONPATH=.:<vllm tree> python scripts/pool_decode_replay.py \\
+        --out results/pool_decode_replay [--layers 8 --rows 64 --batch 1 4]
+
+Writes ``pool_decode_replay.json`` (harness result schema, kind
+``pool_decode_replay``) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+HIDDEN, INTER, EXPERTS, TOP_K = 4096, 1024, 256, 8
+
+
+def _need_pool() -> None:
+    try:
+        import vllm.model_executor.layers.fused_moe.expert_pool  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"this vLLM import has no expert pool (apply the dev/pool commit): {exc}")
+
+
+def make_experts(num_experts: int, seed: int) -> dict[str, Any]:
+    """Random NVFP4 experts in Marlin layout on the GPU (one layer)."""
+    import torch
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        rand_marlin_weight_nvfp4_like,
+    )
+
+    torch.manual_seed(seed)
+    parts: dict[str, list[Any]] = {}
+    for _ in range(num_experts):
+        for name, shape in (("w13", (2 * INTER, HIDDEN)), ("w2", (HIDDEN, INTER))):
+            weight = torch.randn(shape, device="cuda", dtype=torch.bfloat16) / 10
+            _, qweight, scales, gscale = rand_marlin_weight_nvfp4_like(weight, 16)
+            parts.setdefault(f"{name}_weight", []).append(qweight)
+            parts.setdefault(f"{name}_weight_scale", []).append(scales)
+            parts.setdefault(f"{name}_weight_scale_2", []).append(gscale)
+    return {k: torch.stack(v).contiguous() for k, v in parts.items()}
+
+
+def pending_layer(index: int, experts: dict[str, Any], rows: int) -> Any:
+    """A module with what ``install_expert_pool`` reads from a converted
+    ``RoutedExperts``: pinned Marlin-layout expert tensors plus metadata."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    layer = torch.nn.Module()
+    for key, value in experts.items():
+        pinned = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
+        pinned.copy_(value)
+        layer.register_parameter(key, torch.nn.Parameter(pinned, requires_grad=False))
+    fused_experts = SimpleNamespace(activation=None, input_dtype=None, w1_bias=None, w2_bias=None)
+    attrs = {
+        "layer_name": f"layers.{index}.mlp.experts",
+        "local_num_experts": EXPERTS,
+        "top_k": TOP_K,
+        "expert_pool_rows": rows,
+        "expert_pool_pending": True,
+        "expert_pool_layer": None,
+        "activation": MoEActivation.SILU,
+        "apply_router_weight_on_input": False,
+        "quant_method": SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=fused_experts)),
+    }
+    for key, value in attrs.items():
+        setattr(layer, key, value)
+    return layer
+
+
+def make_routes(
+    kind: str,
+    steps: int,
+    layers: int,
+    batch: int,
+    slots: int,
+    zipf: float,
+    seed: int,
+) -> Any:
+    """``[steps, layers, batch, TOP_K]`` int32 routes on the GPU."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.empty(steps, layers, batch, TOP_K, dtype=torch.int32)
+    if kind == "pool_zipf":
+        ranks = torch.arange(1, EXPERTS + 1, dtype=torch.float64)
+        popularity = ranks.pow(-zipf)
+        perms = [torch.randperm(EXPERTS, generator=gen) for _ in range(layers)]
+    for s in range(steps):
+        for layer in range(layers):
+            for b in range(batch):
+                if kind == "pool_all_hits":
+                    ids = torch.randperm(slots, generator=gen)[:TOP_K]
+                elif kind == "pool_zipf":
+                    pick = torch.multinomial(popularity, TOP_K, generator=gen)
+                    ids = perms[layer][pick]
+                else:
+                    ids = torch.randperm(EXPERTS, generator=gen)[:TOP_K]
+                out[s, layer, b] = ids.to(torch.int32)
+    return out.cuda()
+
+
+def reference_misses(pool: Any, routes: Any, weights: Any) -> dict[str, float]:
+    """Misses of the replayed route sequence (warm-up steps included).
+
+    The routes are replayed through the reference planner from the initial
+    state with the gate open, exactly as the graph replays ran them.
+    """
+    from vllm.model_executor.layers.fused_moe.expert_pool.tables import (
+        ReferenceState,
+        allocate_tables,
+        reference_decode_step,
+    )
+
+    t = pool.tables
+    fresh = allocate_tables(t.num_layers, t.num_experts, pool.geometry.slots, t.staging_rows, "cpu")
+    state = ReferenceState.from_tables(fresh)
+    state.gate = True
+    routes_l = routes.cpu().tolist()
+    weights_l = weights.cpu().tolist()
+    copies = routed = 0
+    for step in routes_l:
+        for layer, ids in enumerate(step):
+            _, step_copies = reference_decode_step(state, layer, ids, weights_l)
+            copies += len(step_copies)
+            routed += len({e for token in ids for e in token})
+    return {
+        "misses": copies,
+        "distinct_routed": routed,
+        "miss_rate": copies / max(routed, 1),
+        "misses_per_layer_step": copies / (len(routes_l) * len(routes_l[0])),
+    }
+
+
+def time_graph(graph: Any, feed: Any, steps: int, warmup: int) -> list[float]:
+    """Milliseconds per replay for ``steps`` steps after ``warmup`` steps."""
+    import torch
+
+    times = []
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    for s in range(warmup + steps):
+        feed(s)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if s >= warmup:
+            times.append(start.elapsed_time(end))
+    return times
+
+
+def summarize(times: list[float], layers: int) -> dict[str, Any]:
+    ordered = sorted(times)
+    return {
+        "steps": len(times),
+        "median_ms": statistics.median(times),
+        "mean_ms": statistics.fmean(times),
+        "p10_ms": ordered[len(ordered) // 10],
+        "p90_ms": ordered[(len(ordered) * 9) // 10],
+        "median_us_per_layer": 1000 * statistics.median(times) / layers,
+    }
+
+
+def run_case(args: argparse.Namespace, batch: int, experts: dict[str, Any]) -> Any:
+    import torch
+    from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import (
+        fused_marlin_moe,
+    )
+    from vllm.scalar_type import scalar_types
+
+    layers = args.layers
+    total = args.warmup + args.steps
+    gen = torch.Generator().manual_seed(args.seed + batch)
+    x = (torch.randn(batch, HIDDEN, generator=gen) / 10).to(torch.bfloat16).cuda()
+    weights = torch.softmax(torch.rand(batch, TOP_K, generator=gen), dim=1).cuda()
+    static_ids = torch.zeros(layers, batch, TOP_K, dtype=torch.int32, device="cuda")
+    slots = min(args.rows, EXPERTS - 1)
+    results: dict[str, Any] = {}
+
+    def capture(step_fn: Any) -> Any:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step_fn()  # eager warm-up (Triton compile, gate still closed)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step_fn()
+        return graph
+
+    # Baseline: every expert resident, one device copy per layer.
+    resident = [{k: v.clone() for k, v in experts.items()} for _ in range(layers)]
+
+    def resident_step() -> None:
+        for layer, t in enumerate(resident):
+            fused_marlin_moe(
+                x,
+                t["w13_weight"],
+                t["w2_weight"],
+                None,
+                None,
+                t["w13_weight_scale"],
+                t["w2_weight_scale"],
+                weights,
+                static_ids[layer],
+                quant_type_id=scalar_types.float4_e2m1f.id,
+                global_num_experts=EXPERTS,
+                global_scale1=t["w13_weight_scale_2"],
+                global_scale2=t["w2_weight_scale_2"],
+            )
+
+    uniform = make_routes("pool_uniform", total, layers, batch, slots, 0, args.seed)
+    graph = capture(resident_step)
+    times = time_graph(graph, lambda s: static_ids.copy_(uniform[s]), args.steps, args.warmup)
+    results["resident"] = summarize(times, layers)
+    resident.clear()
+    del graph
+    torch.cuda.empty_cache()
+
+    for kind in ("pool_all_hits", "pool_zipf", "pool_uniform"):
+        routes = make_routes(kind, total, layers, batch, slots, args.zipf, args.seed)
+        model = torch.nn.ModuleList(pending_layer(i, experts, args.rows) for i in range(layers))
+        pool = install_expert_pool(model, torch.device("cuda"), args.decode_tokens)
+        assert pool is not None
+        if batch * TOP_K > pool.max_lanes:
+            raise SystemExit(
+                f"batch {batch} x top_k {TOP_K} exceeds the {pool.max_lanes} "
+                "decode lanes (raise --decode-tokens)"
+            )
+
+        def pool_step(pool: Any = pool) -> None:
+            for layer in pool.layers:
+                layer.apply(x, weights, static_ids[layer.index])
+
+        static_ids.copy_(routes[0])
+        graph = capture(pool_step)
+        pool.tables.set_gate(True)
+        times = time_graph(
+            graph, lambda s, r=routes: static_ids.copy_(r[s]), args.steps, args.warmup
+        )
+        entry = summarize(times, layers)
+        entry.update(reference_misses(pool, routes, weights))
+        entry["error_flag"] = int(pool.tables.error.item())
+        entry["bank_gib"] = pool.geometry.total_bytes / (1 << 30)
+        entry["row_bytes"] = {
+            name: pool.geometry.row_bytes(name) for name in pool.geometry.row_shapes
+        }
+        results[kind] = entry
+        del graph, pool, model
+        torch.cuda.empty_cache()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=64, help="pool rows per layer")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--decode-tokens", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    _need_pool()
+    import torch
+    import vllm
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from harness import results as harness_results
+
+    started = time.monotonic()
+    with set_current_vllm_config(VllmConfig()):
+        experts = make_experts(EXPERTS, args.seed)
+        cases = {str(batch): run_case(args, batch, experts) for batch in args.batch}
+    data = {
+        "shape": {
+            "hidden": HIDDEN,
+            "intermediate": INTER,
+            "experts": EXPERTS,
+            "top_k": TOP_K,
+            "layers": args.layers,
+            "rows": args.rows,
+            "decode_tokens": args.decode_tokens,
+            "zipf": args.zipf,
+        },
+        "cases": cases,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    prov = harness_results.provenance(
+        [Path(sys.executable).name, *sys.argv],
+        vllm_version=str(vllm.__version__),
+        vllm_path=str(Path(vllm.__file__).parent),
+        gpu_name=torch.cuda.get_device_name(),
+    )
+    path = harness_results.write(
+        args.out / "pool_decode_replay.json", "pool_decode_replay", data, prov
+    )
+    print(f"wrote {path}")
+    for batch, case in cases.items():
+        for kind, entry in case.items():
+            print(
+                f"batch {batch:>3} {kind:14} median {entry['median_ms']:.3f} ms"
+                + (f"  miss rate {entry['miss_rate']:.3f}" if "miss_rate" in entry else "")
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,749 @@
+"""The device bundle (harness.bundle, harness.fatbin, harness.device_run), on CPU.
+
+Everything is synthetic: a fatbin-carrying ELF file built here, a release
+"wheel" zip, a tiny dependency wheel in the wheel cache, and the conftest's
+materialized project. No network, no GPU; the smoke check is run only to see
+that it reports failure (never a pass) where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.metadata
+import io
+import json
+import platform
+import struct
+import sys
+import tarfile
+import zipfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from harness import bundle, device_run, fatbin, results
+from harness.project import REPO, HarnessError, Project
+
+CommitFn = Callable[[str, dict[str, str]], str]  # the conftest's `commit` fixture
+
+# --------------------------------------------------------------------------- synthetic fatbin
+
+
+def fatbin_blob(images: Sequence[tuple[int, int, bytes]]) -> bytes:
+    """One fatbin blob of ``(kind, arch, payload)`` images (48-byte image headers)."""
+    body = b""
+    for kind, arch, payload in images:
+        header = bytearray(48)
+        struct.pack_into("<HHIQ", header, 0, kind, 0x0101, 48, len(payload))
+        struct.pack_into("<I", header, fatbin.IMAGE_ARCH_OFFSET, arch)
+        struct.pack_into("<Q", header, fatbin.IMAGE_FLAGS_OFFSET, 0x11)
+        body += bytes(header) + payload
+    return struct.pack("<IHHQ", fatbin.BLOB_MAGIC, 1, 16, len(body)) + body
+
+
+def elf_library(section: bytes, name: bytes = b".nv_fatbin") -> bytes:
+    """A minimal little-endian ELF64 file whose only named section is ``section``."""
+    names = b"\0" + name + b"\0.shstrtab\0"
+    data_off = 64
+    names_off = data_off + len(section)
+    pad = (-(names_off + len(names))) % 8
+    shoff = names_off + len(names) + pad
+    ident = b"\x7fELF\x02\x01\x01" + bytes(9)
+    header = struct.pack("<16sHHIQQQIHHHHHH", ident, 3, 62, 1, 0, 0, shoff, 0, 64, 0, 0, 64, 3, 2)
+    null = bytes(64)
+    fat = struct.pack("<IIQQQQIIQQ", 1, 1, 2, 0, data_off, len(section), 0, 0, 8, 0)
+    strtab = struct.pack("<IIQQQQIIQQ", 2 + len(name), 3, 0, 0, names_off, len(names), 0, 0, 1, 0)
+    return header + section + names + bytes(pad) + null + fat + strtab
+
+
+def payload(tag: int, size: int = 64) -> bytes:
+    return bytes([tag]) * size
+
+
+SM90_CUBIN, SM80_CUBIN, SM89_CUBIN, SM100_CUBIN = (
+    (2, 90, payload(1)),
+    (2, 80, payload(2)),
+    (2, 89, payload(3)),
+    (2, 100, payload(4)),
+)
+PTX90, PTX80, PTX75, PTX100 = (
+    (1, 90, payload(5)),
+    (1, 80, payload(6)),
+    (1, 75, payload(7)),
+    (
+        1,
+        100,
+        payload(8),
+    ),
+)
+
+#: blob 0 has an sm_90 cubin (kept, nothing else); blob 1 only PTX <= 90 below
+#: an sm_80/sm_89 cubin (highest PTX kept); blob 2 nothing an sm_90 GPU loads.
+BLOBS = [
+    [SM80_CUBIN, SM89_CUBIN, SM90_CUBIN, PTX90, SM100_CUBIN],
+    [SM80_CUBIN, SM89_CUBIN, PTX75, PTX80, PTX100],
+    [SM100_CUBIN, PTX100],
+]
+
+
+@pytest.fixture
+def library(tmp_path: Path) -> Path:
+    # padding between blobs, as the linker leaves it
+    section = b"".join(fatbin_blob(b) + bytes(8) for b in BLOBS)
+    path = tmp_path / "_C_stable_libtorch.abi3.so"
+    path.write_bytes(elf_library(section))
+    return path
+
+
+def test_fatbin_lists_every_image(library: Path) -> None:
+    found = fatbin.images(library.read_bytes())
+    assert [(i.kind, i.arch) for i in found] == [(k, a) for b in BLOBS for k, a, _ in b]
+    assert len({i.blob for i in found}) == 3
+    assert fatbin.summary(library.read_bytes())["sm_90 cubin"] == (1, 64)
+
+
+def test_prune_keeps_target_cubin_and_highest_ptx_and_zeroes_the_rest(
+    library: Path, tmp_path: Path
+) -> None:
+    before = library.read_bytes()
+    out = tmp_path / "pruned.so"
+    report = fatbin.prune(library, out, 90)
+    after = out.read_bytes()
+    assert len(after) == len(before)
+    kept = {(i.blob, i.kind, i.arch) for i in fatbin.images(before) if any(after[i.payload])}
+    blobs = sorted({i.blob for i in fatbin.images(before)})
+    assert kept == {(blobs[0], 2, 90), (blobs[1], 1, 80)}
+    for image in fatbin.images(before):
+        if (image.blob, image.kind, image.arch) in kept:
+            assert after[image.payload] == before[image.payload]
+        else:
+            assert after[image.payload] == bytes(image.payload_size)
+        # headers are untouched, so the driver sees the same table
+        assert (
+            after[image.offset : image.offset + image.header_size]
+            == before[image.offset : image.offset + image.header_size]
+        )
+    assert report.kept_images == 2 and report.zeroed_images == 10
+    assert report.blobs == 3 and report.blobs_without_target == 1
+    # only payload bytes changed
+    changed = [n for n, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
+    payloads = [i.payload for i in fatbin.images(before)]
+    assert all(any(p.start <= n < p.stop for p in payloads) for n in changed)
+
+
+def test_prune_for_another_major_keeps_its_own_cubins(library: Path, tmp_path: Path) -> None:
+    fatbin.prune(library, tmp_path / "sm100.so", 100)
+    after = (tmp_path / "sm100.so").read_bytes()
+    kept = {(i.kind, i.arch) for i in fatbin.images(after) if any(after[i.payload])}
+    assert kept == {(2, 100), (1, 100)}  # sm_100 cubins; blob 1's compute_100 PTX
+
+
+def test_prune_refuses_non_cuda_and_targetless_libraries(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.so"
+    plain.write_bytes(elf_library(b"\0" * 16, name=b".text"))
+    with pytest.raises(HarnessError, match=r"no \.nv_fatbin"):
+        fatbin.prune(plain, tmp_path / "out.so", 90)
+    assert not fatbin.has_fatbin(plain)
+    (tmp_path / "text.so").write_bytes(b"not an elf")
+    with pytest.raises(HarnessError, match="not an ELF"):
+        fatbin.prune(tmp_path / "text.so", tmp_path / "out.so", 90)
+    blackwell = tmp_path / "blackwell.so"
+    blackwell.write_bytes(elf_library(fatbin_blob([SM100_CUBIN, PTX100])))
+    with pytest.raises(HarnessError, match="no device code for sm_90"):
+        fatbin.prune(blackwell, tmp_path / "out.so", 90)
+
+
+# --------------------------------------------------------------------------- FA guard
+
+FA_INIT = """from .flash_attn_interface import FA2_AVAILABLE, FA3_AVAILABLE
+
+if not (FA2_AVAILABLE or FA3_AVAILABLE):
+    raise ImportError(
+        "vllm.vllm_flash_attn requires the CUDA flash attention extensions"
+    )
+
+__all__ = ["FA2_AVAILABLE"]
+"""
+
+
+def _exec_fa_init(source: str) -> None:
+    code = source.replace("from .flash_attn_interface import", "# ")
+    exec(compile(code, "fa_init", "exec"), {"FA2_AVAILABLE": False, "FA3_AVAILABLE": False})
+
+
+def test_flash_attn_guard_patch_applies_exactly_once() -> None:
+    with pytest.raises(ImportError):
+        _exec_fa_init(FA_INIT)
+    patched = bundle.patch_flash_attn_guard(FA_INIT)
+    _exec_fa_init(patched)  # imports without the FA libraries now
+    assert patched.count("if False and not (FA2_AVAILABLE or FA3_AVAILABLE):") == 1
+    with pytest.raises(HarnessError, match="found it 0 times"):
+        bundle.patch_flash_attn_guard(patched)  # never twice
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        FA_INIT.replace("FA2_AVAILABLE or FA3_AVAILABLE", "FA2_AVAILABLE or FA3_AVAILABLE or X"),
+        FA_INIT.replace("    raise ImportError(", "    raise RuntimeError("),
+        FA_INIT + FA_INIT,
+    ],
+)
+def test_flash_attn_guard_patch_fails_loudly_when_upstream_changes(changed: str) -> None:
+    with pytest.raises(HarnessError, match="re-check"):
+        bundle.patch_flash_attn_guard(changed)
+
+
+REAL_FA_INIT = REPO / ".work" / "vllm" / bundle.FLASH_ATTN_INIT
+
+
+@pytest.mark.skipif(not REAL_FA_INIT.exists(), reason="the pinned vLLM tree is not materialized")
+def test_flash_attn_guard_patch_matches_the_pinned_tree() -> None:
+    patched = bundle.patch_flash_attn_guard(REAL_FA_INIT.read_text())
+    ast.parse(patched)
+
+
+# --------------------------------------------------------------------------- wheel + tree
+
+VERSION = "1.0.0"
+
+
+def release_wheel(path: Path, version: str = VERSION, kernels: bytes | None = None) -> Path:
+    """A zip laid out like vLLM's release wheel, with small stand-ins."""
+    info = f"vllm-{version}.dist-info"
+    files = {
+        f"{info}/METADATA": f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: false\n",
+        f"{info}/entry_points.txt": "[console_scripts]\nvllm = vllm.cli:main\n",
+        f"{info}/top_level.txt": "vllm\n",
+        f"{info}/RECORD": "vllm/__init__.py,,\n",
+        "vllm/__init__.py": "FROM_WHEEL = True\n",
+        "vllm/third_party/triton_kernels/__init__.py": "",
+        "vllm/third_party/triton_kernels/target_info.py": "TARGET = 1\n",
+        "vllm/third_party/flashmla/flash_mla_interface.py": "MLA = 1\n",
+        "vllm/third_party/deep_gemm/__init__.py": "DEEP = 1\n",
+        "vllm/vllm-rs": "binary",
+        "vllm/_flashmla_C.abi3.so": "other library",
+    }
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, text in files.items():
+            zf.writestr(name, text)
+        lib = kernels or elf_library(b"".join(fatbin_blob(b) for b in BLOBS))
+        for name in bundle.KERNEL_LIBRARIES:
+            zf.writestr(name, lib)
+    return path
+
+
+TREE_VLLM = {
+    "vllm/__init__.py": b"FROM_TREE = True\n",
+    "vllm/layer.py": b"X = 1\n",
+    bundle.FLASH_ATTN_INIT: FA_INIT.encode(),
+}
+
+
+def test_python_tree_takes_tree_files_wheel_extras_and_dist_info(tmp_path: Path) -> None:
+    with zipfile.ZipFile(release_wheel(tmp_path / "w.whl")) as wheel:
+        files = bundle.python_tree({**TREE_VLLM, "tests/t.py": b""}, wheel, VERSION)
+    assert files["vllm/__init__.py"] == b"FROM_TREE = True\n"  # the series wins
+    assert b"if False and not" in files[bundle.FLASH_ATTN_INIT]
+    assert "vllm/third_party/triton_kernels/target_info.py" in files
+    assert "vllm/third_party/flashmla/flash_mla_interface.py" in files
+    for absent in (
+        "vllm/vllm-rs",
+        "vllm/_flashmla_C.abi3.so",
+        "tests/t.py",
+        "vllm/third_party/deep_gemm/__init__.py",
+        f"vllm-{VERSION}.dist-info/RECORD",
+        *bundle.KERNEL_LIBRARIES,
+    ):
+        assert absent not in files
+    assert sorted(n for n in files if ".dist-info/" in n) == sorted(
+        f"vllm-{VERSION}.dist-info/{n}" for n in bundle.DIST_INFO_FILES
+    )
+
+
+def test_dist_info_lets_importlib_find_the_version(tmp_path: Path) -> None:
+    with zipfile.ZipFile(release_wheel(tmp_path / "w.whl")) as wheel:
+        files = bundle.python_tree(TREE_VLLM, wheel, VERSION)
+    root = tmp_path / "py"
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (dist,) = [d for d in importlib.metadata.distributions(path=[str(root)])]
+    assert dist.metadata["Name"] == "vllm" and dist.version == VERSION
+
+
+def test_dist_info_of_another_version_is_refused(tmp_path: Path) -> None:
+    with (
+        zipfile.ZipFile(release_wheel(tmp_path / "w.whl", version="9.9.9")) as wheel,
+        pytest.raises(HarnessError, match=r"no vllm-1\.0\.0\.dist-info"),
+    ):
+        bundle.python_tree(TREE_VLLM, wheel, VERSION)
+
+
+# --------------------------------------------------------------------------- tests selection
+
+
+def test_select_tests_follows_imports_and_package_files() -> None:
+    files = {
+        "pyproject.toml": b"",
+        "tests/__init__.py": b"",
+        "tests/conftest.py": b"from tests.models.utils import helper\n",
+        "tests/models/__init__.py": b"",
+        "tests/models/utils.py": b"helper = 1\n",
+        "tests/kernels/__init__.py": b"",
+        "tests/kernels/conftest.py": b"",
+        "tests/kernels/utils.py": b"from .quant_utils import q\n",
+        "tests/kernels/quant_utils.py": b"q = 1\n",
+        "tests/kernels/moe/__init__.py": b"",
+        "tests/kernels/moe/test_a.py": (
+            b"from tests.kernels.utils import x\nimport tests.kernels.nv\n"
+        ),
+        "tests/kernels/moe/test_other.py": b"",
+        "tests/kernels/nv.py": b"from ..models import utils\n",
+        "tests/unrelated/test_b.py": b"",
+    }
+    selected = bundle.select_tests(files, ["tests/kernels/moe/test_a.py"])
+    assert "tests/kernels/moe/test_other.py" not in selected
+    assert "tests/unrelated/test_b.py" not in selected
+    assert set(selected) == set(files) - {
+        "tests/kernels/moe/test_other.py",
+        "tests/unrelated/test_b.py",
+    }
+    with pytest.raises(HarnessError, match="not in the tree"):
+        bundle.select_tests(files, ["tests/missing.py"])
+
+
+# --------------------------------------------------------------------------- wheels
+
+
+def test_default_lists_parse_and_resolve() -> None:
+    pins = bundle.read_wheel_list(bundle.DEFAULT_WHEEL_LIST)
+    target = bundle.read_target_packages(bundle.DEFAULT_TARGET_PACKAGES)
+    assert target["torch"] == "2.11.0" and target["typing-extensions"] is None
+    needed = {p.name for p in bundle.needed_wheels(pins, target)}
+    assert {"pydantic", "pyzmq", "llguidance", "tblib"} <= needed
+    assert {"typing-extensions", "anyio"} <= needed  # marked always: version unknown
+    assert not {bundle.normalize(p.name) for p in pins if not p.always} & set(target)
+
+
+def test_needed_wheels_skips_what_the_target_has() -> None:
+    pins = [
+        bundle.WheelPin("Absent", "1.0"),
+        bundle.WheelPin("same", "2.0"),
+        bundle.WheelPin("other_version", "3.0"),
+        bundle.WheelPin("unknown-version", "4.0"),
+        bundle.WheelPin("forced", "5.0", always=True),
+    ]
+    target = {"same": "2.0", "other-version": "2.9", "unknown-version": None, "forced": None}
+    assert [p.name for p in bundle.needed_wheels(pins, target)] == [
+        "Absent",
+        "other_version",
+        "forced",
+    ]
+
+
+def test_lists_are_validated(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_text("good==1\nnot a name\n")
+    with pytest.raises(HarnessError, match=r"bad\.txt:2"):
+        bundle.read_target_packages(bad)
+    dupes = tmp_path / "dupes.toml"
+    dupes.write_text(
+        '[[wheel]]\nname = "A_b"\nversion = "1"\n[[wheel]]\nname = "a-b"\nversion = "2"\n'
+    )
+    with pytest.raises(HarnessError, match="listed twice"):
+        bundle.read_wheel_list(dupes)
+
+
+def test_pip_download_command_targets_the_device_python() -> None:
+    cmd = bundle.pip_download_command(
+        bundle.WheelPin("llguidance", "1.7.6", platform="manylinux_2_31_x86_64"), Path("/c")
+    )
+    assert cmd[-1] == "llguidance==1.7.6"
+    assert {"--no-deps", "--only-binary=:all:"} <= set(cmd)
+    assert cmd[cmd.index("--python-version") + 1] == "3.12"
+    platforms = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--platform"]
+    assert platforms[0] == "manylinux_2_31_x86_64" and "manylinux_2_28_x86_64" in platforms
+
+
+def tiny_wheel(
+    folder: Path, name: str = "tinydep", version: str = "1.0", requires: str = ""
+) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}\n"
+    record = f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name}/__init__.py", "VALUE = 7\n")
+        zf.writestr(f"{info}/METADATA", metadata)
+        zf.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        zf.writestr(f"{info}/RECORD", record)
+    return path
+
+
+def test_unmet_requirements_are_reported(tmp_path: Path) -> None:
+    reqs = (
+        "Requires-Dist: present\nRequires-Dist: missing>=1\n"
+        'Requires-Dist: oldpy; python_version < "3.10"\nRequires-Dist: opt; extra == "x"'
+    )
+    wheel = tiny_wheel(tmp_path, requires=reqs)
+    assert bundle.unmet_requirements([wheel], ["present"]) == {wheel.name: ["missing>=1"]}
+
+
+# --------------------------------------------------------------------------- build
+
+
+WHEEL_LIST = '[[wheel]]\nname = "tinydep"\nversion = "1.0"\nwhy = "test"\n'
+
+TEST_FILE = """import pytest
+
+
+def test_passes():
+    assert True
+
+
+def test_skips():
+    pytest.skip("no GPU here")
+
+
+def test_fails():
+    assert 1 == 2, "arithmetic"
+"""
+
+
+@pytest.fixture
+def ready(project: Project, commit: CommitFn, tmp_path: Path) -> Project:
+    """The conftest project plus a release wheel, a cached dependency and a series commit."""
+    wheel = release_wheel(project.cache / "dist" / "vllm-1.0.0-none.whl")
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    pin = project.patches / "base.toml"
+    pin.write_text(pin.read_text().replace('wheel_sha256 = "0"', f'wheel_sha256 = "{digest}"'))
+    tiny_wheel(project.cache / "wheels" / "cp312-manylinux-x86_64")
+    (tmp_path / "wheels.toml").write_text(WHEEL_LIST)
+    (tmp_path / "target.txt").write_text("torch==2.11.0\n")
+    commit(
+        "[Kernel] Add a device test",
+        {
+            bundle.FLASH_ATTN_INIT: FA_INIT,
+            "tests/__init__.py": "",
+            "tests/kernels/__init__.py": "",
+            "tests/kernels/test_device.py": TEST_FILE,
+            "pyproject.toml": "[tool.pytest.ini_options]\nmarkers = []\n",
+        },
+    )
+    return project
+
+
+def build(project: Project, tmp_path: Path, **kwargs: object) -> bundle.Bundle:
+    return bundle.build_bundle(
+        project,
+        out=tmp_path / "out" / ".bundle",
+        target_packages=tmp_path / "target.txt",
+        wheel_list=tmp_path / "wheels.toml",
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def test_build_writes_manifest_provenance_and_archives(ready: Project, tmp_path: Path) -> None:
+    built = build(ready, tmp_path)
+    out = built.path
+    names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert names == sorted(
+        [
+            "MANIFEST.txt",
+            "provenance.json",
+            "device_run.py",
+            "vllm-py.tar.xz",
+            "tests.tar.xz",
+            "kernels-_C_stable_libtorch.tar.xz",
+            "kernels-_moe_C_stable_libtorch.tar.xz",
+            "wheels/tinydep-1.0-py3-none-any.whl",
+        ]
+    )
+    assert built.total_bytes == bundle.folder_size(out)
+    rows = [
+        line.split("  ")
+        for line in (out / "MANIFEST.txt").read_text().splitlines()
+        if not line.startswith("#")
+    ]
+    assert sorted(r[2] for r in rows) == [n for n in names if n != "MANIFEST.txt"]
+    for digest, size, rel in rows:
+        assert hashlib.sha256((out / rel).read_bytes()).hexdigest() == digest
+        assert (out / rel).stat().st_size == int(size)
+    prov = json.loads((out / "provenance.json").read_text())
+    tree_head = ready.tree / ".git"
+    assert prov["base"]["version"] == VERSION and prov["target"]["sm"] == 90
+    assert prov["tree"]["commit"] != prov["base"]["base_commit"]
+    assert len(prov["series_hash"]) == 12 and tree_head.exists()
+    assert prov["contents"]["tests"]["series"] == ["tests/kernels/test_device.py"]
+    assert prov["contents"]["wheels"]["carried"] == ["tinydep-1.0-py3-none-any.whl"]
+    kernels = prov["contents"]["kernels"]
+    assert [k["pruned"]["kept_images"] for k in kernels] == [2, 2]
+    with tarfile.open(out / "vllm-py.tar.xz") as tar:
+        members = tar.getnames()
+        init = tar.extractfile(bundle.FLASH_ATTN_INIT)
+        assert init is not None and b"if False and not" in init.read()
+    assert "vllm-1.0.0.dist-info/METADATA" in members
+    assert "vllm/third_party/triton_kernels/target_info.py" in members
+    with tarfile.open(out / "tests.tar.xz") as tar:
+        assert set(tar.getnames()) == {
+            "pyproject.toml",
+            "tests/__init__.py",
+            "tests/kernels/__init__.py",
+            "tests/kernels/test_device.py",
+        }
+    assert (out / "device_run.py").read_bytes() == Path(device_run.__file__).read_bytes()
+
+
+def test_build_is_deterministic(ready: Project, tmp_path: Path) -> None:
+    first = (build(ready, tmp_path).path / "MANIFEST.txt").read_text()
+    second = (build(ready, tmp_path).path / "MANIFEST.txt").read_text()
+    assert first == second
+
+
+def test_build_over_the_limit_fails_and_leaves_nothing(ready: Project, tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="over the limit") as info:
+        build(ready, tmp_path, max_bytes=10_000)
+    assert "vllm-py.tar.xz" in str(info.value)
+    assert not (tmp_path / "out" / ".bundle").exists()
+    assert not list(ready.work.glob("bundle-staging-*"))
+
+
+def test_build_refuses_a_foreign_output_folder(ready: Project, tmp_path: Path) -> None:
+    foreign = tmp_path / "out" / ".bundle"
+    foreign.mkdir(parents=True)
+    (foreign / "precious.txt").write_text("keep")
+    with pytest.raises(HarnessError, match="not a device bundle"):
+        build(ready, tmp_path)
+    assert (foreign / "precious.txt").read_text() == "keep"
+
+
+def test_build_carries_extra_kernels_with_their_namespace(ready: Project, tmp_path: Path) -> None:
+    extra = tmp_path / "libmarlin_series.so"
+    extra.write_bytes(elf_library(fatbin_blob([SM90_CUBIN, SM80_CUBIN])))
+    kernel = bundle.ExtraKernel.parse(f"marlin_series={extra}")
+    prov = build(ready, tmp_path, extra_kernels=[kernel]).provenance
+    record = prov["contents"]["kernels"][-1]  # type: ignore[index]
+    assert record["namespace"] == "marlin_series"
+    assert record["name"] == "kernels/marlin_series/libmarlin_series.so"
+    assert record["pruned"]["zeroed_images"] == 1
+    with pytest.raises(HarnessError, match="NAMESPACE=PATH"):
+        bundle.ExtraKernel.parse("just-a-path.so")
+
+
+# --------------------------------------------------------------------------- device side
+
+
+def test_device_run_needs_nothing_but_the_standard_library() -> None:
+    tree = ast.parse(Path(device_run.__file__).read_text())
+    top = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            top.add(node.module.split(".")[0])
+    assert top <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def test_device_run_installs_runs_pytest_and_reports_skips_and_failures(
+    ready: Project, tmp_path: Path
+) -> None:
+    out_bundle = build(ready, tmp_path).path
+    prefix, out = tmp_path / "prefix", tmp_path / "results"
+    code = device_run.main(
+        [
+            "--bundle",
+            str(out_bundle),
+            "--prefix",
+            str(prefix),
+            "--out",
+            str(out),
+            "--skip-smoke",
+            "--replay",
+            "-c 'import tinydep, sys; sys.exit(tinydep.VALUE - 7)'",
+        ]
+    )
+    assert results.validate(out / "results.json") == []  # the project's result schema
+    record = json.loads((out / "results.json").read_text())
+    assert (record["schema"], record["kind"]) == (results.SCHEMA, "device-run")
+    built = json.loads((out_bundle / "provenance.json").read_text())
+    prov = record["provenance"]
+    assert prov["base"] == {
+        k: built["base"][k] for k in ("version", "sdist_sha256", "upstream_commit", "base_commit")
+    }
+    assert prov["series_hash"] == built["series_hash"]
+    assert prov["tree_commit"] == built["tree"]["commit"]
+    assert prov["command"].startswith("device_run.py --bundle ")
+    assert prov["python"] == platform.python_version() and prov["host"] == platform.node()
+    data = record["data"]
+    assert code == 1 and data["ok"] is False
+    assert data["install"]["status"] == "passed"
+    assert (prefix / "py" / "vllm-1.0.0.dist-info" / "METADATA").exists()
+    assert (prefix / "py" / bundle.KERNEL_LIBRARIES[0]).exists()
+    assert (prefix / "site" / "tinydep" / "__init__.py").exists()
+    assert data["smoke"]["status"] == "not-run"
+    py = data["pytest"]
+    assert (py["passed"], py["failed"], py["errors"], py["skipped"]) == (1, 1, 0, 1)
+    assert py["status"] == "failed"
+    assert py["skipped_tests"][0]["reason"].endswith("no GPU here")
+    assert py["failed_tests"][0]["test"].endswith("test_fails")
+    assert data["replays"][0]["status"] == "passed"  # the carried wheel imports
+    assert data["bundle"]["tree"]["commit"] == built["tree"]["commit"]
+    assert {"python", "date_utc"} <= set(data["host"])
+    assert (out / "junit.xml").exists() and (out / "pytest.log").exists()
+
+    # a skip-only selection is "skipped", never "passed"
+    code = device_run.main(
+        [
+            "--bundle",
+            str(out_bundle),
+            "--prefix",
+            str(prefix),
+            "--out",
+            str(out),
+            "--skip-smoke",
+            "-k",
+            "skips",
+        ]
+    )
+    data = json.loads((out / "results.json").read_text())["data"]
+    assert data["pytest"]["status"] == "skipped" and data["ok"] is False and code == 1
+
+
+def test_device_run_refuses_a_tampered_bundle_and_a_foreign_prefix(
+    ready: Project, tmp_path: Path
+) -> None:
+    out_bundle = build(ready, tmp_path).path
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data").write_text("keep")
+    code = device_run.main(
+        [
+            "--bundle",
+            str(out_bundle),
+            "--prefix",
+            str(foreign),
+            "--out",
+            str(tmp_path / "r1"),
+        ]
+    )
+    assert code == 1 and (foreign / "data").read_text() == "keep"
+    # a failed install still writes a well-formed result file
+    assert results.validate(tmp_path / "r1" / "results.json") == []
+    assert (
+        "not made by device_run.py"
+        in json.loads((tmp_path / "r1" / "results.json").read_text())["data"]["install"]["error"]
+    )
+    wheel = out_bundle / "wheels" / "tinydep-1.0-py3-none-any.whl"
+    wheel.chmod(0o644)
+    wheel.write_bytes(wheel.read_bytes() + b"x")
+    code = device_run.main(
+        [
+            "--bundle",
+            str(out_bundle),
+            "--prefix",
+            str(tmp_path / "p"),
+            "--out",
+            str(tmp_path / "r2"),
+        ]
+    )
+    record = json.loads((tmp_path / "r2" / "results.json").read_text())["data"]
+    assert code == 1 and record["install"]["status"] == "failed"
+    assert "tinydep" in record["install"]["error"] and record["smoke"]["status"] == "not-run"
+
+
+def test_device_run_repeats_the_result_schema_of_harness_results() -> None:
+    # device_run.py cannot import harness.results on the GPU host; its copy must not drift.
+    assert (device_run.SCHEMA, device_run.REQUIRED) == (results.SCHEMA, results.REQUIRED)
+    prov = device_run.result_provenance("device_run.py", "2026-01-01T00:00:00+00:00", {}, {})
+    assert set(results.REQUIRED) <= set(prov)
+    assert (prov["gpu"], prov["driver"], prov["torch"], prov["cuda"]) == (
+        "none",
+        "none",
+        "unknown",
+        "unknown",
+    )
+    assert "series_hash" not in prov and "tree_commit" not in prov
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ([], ("none", "none")),
+        (["NVIDIA H200, 580.159.04, 143771 MiB"], ("NVIDIA H200", "580.159.04")),
+        (["NVIDIA H200, 580.1, 1 MiB", "NVIDIA H200, 580.1, 1 MiB"], ("2x NVIDIA H200", "580.1")),
+        (["A, 1.0, 1 MiB", "B, 1.0, 1 MiB"], ("2x A; B", "1.0")),
+    ],
+)
+def test_gpu_and_driver_read_like_harness_results(
+    lines: list[str], expected: tuple[str, str]
+) -> None:
+    assert device_run._gpu_and_driver(lines) == expected
+
+
+def test_smoke_without_a_gpu_fails_rather_than_passes(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ""}
+    record = device_run.run_smoke(env, tmp_path, timeout=120)
+    assert record["status"] == "failed"
+    assert record["checks"] and record["checks"][0]["status"] == "failed"
+    assert not any(c["status"] == "passed" for c in record["checks"][2:])
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="5">
+<testcase classname="tests.a" name="test_ok" time="0.1"/>
+<testcase classname="tests.a" name="test_skip">
+  <skipped type="pytest.skip" message="needs sm_100"/></testcase>
+<testcase classname="tests.a" name="test_bad">
+  <failure message="assert 1 == 2">trace</failure></testcase>
+<testcase classname="tests.b" name="test_err"><error message="fixture broke"/></testcase>
+<testcase classname="tests.b" name="test_xfail">
+  <skipped type="pytest.xfail" message="known"/></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_parse_junit_counts_each_outcome(tmp_path: Path) -> None:
+    (tmp_path / "j.xml").write_text(JUNIT)
+    record = device_run.parse_junit(tmp_path / "j.xml")
+    assert (record["passed"], record["failed"], record["errors"], record["skipped"]) == (1, 1, 1, 2)
+    assert record["skipped_tests"][0] == {"test": "tests.a::test_skip", "reason": "needs sm_100"}
+    assert [f["kind"] for f in record["failed_tests"]] == ["failure", "error"]
+
+
+@pytest.mark.parametrize(
+    ("counts", "code", "timed_out", "status"),
+    [
+        ({"passed": 3}, 0, False, "passed"),
+        ({"passed": 3, "skipped": 2}, 0, False, "passed"),
+        ({"passed": 0, "skipped": 2}, 0, False, "skipped"),
+        ({}, 5, False, "no-tests"),
+        ({"passed": 3, "failed": 1}, 1, False, "failed"),
+        ({"passed": 3, "errors": 1}, 1, False, "failed"),
+        ({"passed": 3}, 2, False, "failed"),  # interrupted or a usage error
+        ({"passed": 3}, 0, True, "timed-out"),
+    ],
+)
+def test_pytest_status_never_counts_skips_as_passes(
+    counts: dict[str, int], code: int, timed_out: bool, status: str
+) -> None:
+    assert device_run.pytest_status(counts, code, timed_out) == status
+
+
+def test_device_run_interrupts_at_the_time_limit(tmp_path: Path) -> None:
+    log = io.StringIO()
+    code, timed_out = device_run._run_logged(
+        [sys.executable, "-c", "import time; print('start', flush=True); time.sleep(60)"],
+        env={"PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        log=log,
+        timeout=1,
+    )
+    assert timed_out and code != 0
+    assert "start" in log.getvalue() and "time limit" in log.getvalue()
