@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from harness.build import venv_python
 from harness.project import HarnessError, Project, git, progress, run, sha256_file
 
 HERE = Path(__file__).resolve().parent
@@ -493,7 +494,8 @@ def build_kernels(
         arch: GPU architecture (``9.0``, ``90``, ``sm_90``...); detected with
             nvidia-smi when omitted.
         python: Python whose torch provides headers and libraries (default:
-            the running one). Its torch must be a CUDA build, >= 2.11.
+            the harness venv's, which has the pinned torch, when it exists;
+            else the running one). Its torch must be a CUDA build, >= 2.11.
         nvcc: nvcc to use (default: ``$CUDA_HOME/bin/nvcc`` or PATH).
         ptxas_verbose: Pass ``-Xptxas -v`` to the kernel TU; the register and
             spill report lands in ``build-<namespace>/kernels.log``.
@@ -510,6 +512,8 @@ def build_kernels(
     tree = project.tree
     if not (tree / ".git").exists():
         raise HarnessError(f"no vLLM tree at {tree}; run `python -m harness base` first")
+    if python is None and venv_python(project).exists():
+        python = venv_python(project)
     tc = find_toolchain(python=python, nvcc=nvcc)
     out = (out_dir or project.work / "kernels").resolve()
     build = out / f"build-{namespace}"
