@@ -3,7 +3,8 @@
 // vLLM defines these schemas in csrc/moe/torch_bindings.cpp and
 // csrc/torch_bindings.cpp, which pull in every other op of _moe_C / _C. The
 // standalone library only carries the NVFP4 Marlin MoE GEMM and the GPTQ
-// repack, so it defines just those two here. The namespace comes from the
+// repack (and the capability query the series adds), so it defines just those
+// here. The namespace comes from the
 // command line (-DHARNESS_OPS_NAMESPACE=<ns>); ops.cu and
 // gptq_marlin_repack.cu register their CUDA implementations under the same
 // namespace through -D_moe_C=<ns> and -D_C=<ns>. The schema strings must stay
@@ -36,4 +37,7 @@ HARNESS_STABLE_LIBRARY(HARNESS_OPS_NAMESPACE, m) {
   m.def(
       "gptq_marlin_repack(Tensor b_q_weight, "
       "SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) -> Tensor");
+  // Added by the series' commit 0006; ops.cu implements it from that commit on.
+  // Defined for every revision so a base build loads too (schema only there).
+  m.def("marlin_moe_supports_64bit_expert_offsets() -> bool");
 }

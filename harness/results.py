@@ -10,9 +10,10 @@ hash). Scripts that run on a GPU host import this module straight from the
 repository copy that travels with them; it needs only the standard library
 (torch is used when it is importable).
 
-``results/claims.toml`` lists the seeds' claims; ``python -m harness results``
-renders them, with our value read from the result files, into the generated
-block of ``results/README.md``.
+``results/claims.toml`` lists the seeds' claims; ``python -m harness doc``
+renders them, with our values read from the result files (``ours_from``: one
+JSON pointer or a list of them, formatted by ``ours_format``), into the
+generated block of ``results/README.md``.
 """
 
 from __future__ import annotations
@@ -150,11 +151,13 @@ def render_claims(project: Project) -> str:
     ]
     for claim in claims:
         ours = claim.get("ours", "not run here")
-        if ref := claim.get("ours_from"):
+        if refs := claim.get("ours_from"):
+            refs = [refs] if isinstance(refs, str) else refs
             try:
-                ours = str(lookup(project.root, ref))
+                values = [lookup(project.root, ref) for ref in refs]
             except (OSError, KeyError, IndexError, ValueError) as exc:
-                raise HarnessError(f"claim {claim['id']}: cannot read {ref}: {exc}") from exc
+                raise HarnessError(f"claim {claim['id']}: cannot read {refs}: {exc}") from exc
+            ours = claim.get("ours_format", "{}").format(*values)
         file = claim.get("file", "")
         link = f"[{Path(file).name}]({os.path.relpath(project.root / file, project.results)})"
         lines.append(

@@ -4,13 +4,17 @@ The tests come from the patched tree, copied next to (not into) the venv, so
 ``import vllm`` resolves to the installed wheel and ``import tests...`` to the
 copy. The same command serves both tiers: vLLM's own ``current_platform``
 checks skip GPU tests on hosts without one, and the report counts those skips,
-with their reasons, apart from passes.
+with their reasons, apart from passes. On a host without a GPU the CPU tier
+runs with ``VLLM_TARGET_DEVICE=cpu``: the release wheel is a CUDA build, and
+without that setting vLLM cannot infer a device for the config objects the
+CPU tests build ("Failed to infer device type").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -142,6 +146,7 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
             *(pytest_args or []),
         ],
         cwd=rundir,
+        env={**os.environ, **({"VLLM_TARGET_DEVICE": "cpu"} if gpu == "none" else {})},
         check=False,
     )
     if proc.returncode not in (0, 1) or not junit.exists():

@@ -19,6 +19,17 @@ the device during timing: the same route sequence is replayed afterwards
 through the pool's pure-torch reference planner (which the device planner is
 tested to match), from the same initial state.
 
+``--breakdown`` adds, per pool scenario and batch, a second fresh pool whose
+decode step is captured as three graphs over all layers - the planner
+(``PoolLayer.plan_step``: on CUDA the fused Triton planner, which also writes
+Marlin's alignment), the row copy (``PoolLayer.copy_misses``) and Marlin
+(``PoolLayer.run_plan``: GEMM1, activation, GEMM2, moe_sum) - replayed in
+that order with the same routes, each timed with CUDA events. It also times
+the previous decode prologue for comparison (the torch planner, then
+``moe_align_block_size`` and the torch logical -> physical block remap) on
+separate tables fed the same routes. Graph launch overhead is in every part;
+compare the sum of the parts with the single-graph step.
+
 Needs torch and a vLLM import that contains
 ``vllm.model_executor.layers.fused_moe.expert_pool`` (e.g. the 0.33.0 bundle
 with the pool commit's Python files laid over it). Usage, from the repository
@@ -28,7 +39,9 @@ root::
         --out results/pool_decode_replay [--layers 8 --rows 64 --batch 1 4]
 
 Writes ``pool_decode_replay.json`` (harness result schema, kind
-``pool_decode_replay``) to ``--out``.
+``pool_decode_replay``) to ``--out``; with ``--breakdown`` each pool entry
+also has a ``breakdown`` object (``plan``, ``copy``, ``marlin``,
+``parts_sum_median_ms``, ``legacy_plan_align_remap``).
 """
 
 from __future__ import annotations
@@ -192,6 +205,101 @@ def summarize(times: list[float], layers: int) -> dict[str, Any]:
     }
 
 
+def breakdown_case(
+    args: argparse.Namespace,
+    routes: Any,
+    x: Any,
+    weights: Any,
+    static_ids: Any,
+    experts: dict[str, Any],
+) -> dict[str, Any]:
+    """Time planner, copy and Marlin of the pool's decode step separately."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
+    from vllm.model_executor.layers.fused_moe.expert_pool.tables import (
+        allocate_tables,
+        plan_decode_step,
+    )
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import (
+        moe_align_block_size,
+    )
+
+    layers = args.layers
+    model = torch.nn.ModuleList(pending_layer(i, experts, args.rows) for i in range(layers))
+    pool = install_expert_pool(model, torch.device("cuda"), args.decode_tokens)
+    assert pool is not None
+    t = pool.tables
+    legacy = allocate_tables(
+        t.num_layers, t.num_experts, pool.geometry.slots, t.staging_rows, "cuda"
+    )
+    plans: list[Any] = []
+
+    def plan_all() -> None:
+        plans[:] = [layer.plan_step(static_ids[layer.index], weights) for layer in pool.layers]
+
+    def copy_all() -> None:
+        for layer, plan in zip(pool.layers, plans, strict=True):
+            layer.copy_misses(plan)
+
+    def marlin_all() -> None:
+        for layer, plan in zip(pool.layers, plans, strict=True):
+            layer.run_plan(x, weights, plan)
+
+    def legacy_all() -> None:
+        # The decode prologue before the fused planner: torch planner, stock
+        # alignment on logical ids, torch remap to physical rows.
+        for layer in pool.layers:
+            ids = static_ids[layer.index]
+            plan = plan_decode_step(legacy, layer.index, ids, weights, pool.max_lanes)
+            block = layer.block_size_for(ids.shape[0], ids.shape[1])
+            _, blocks, _ = moe_align_block_size(
+                plan.safe_ids, block, EXPERTS, None, ignore_invalid_experts=True
+            )
+            valid = (blocks >= 0) & (blocks < EXPERTS)
+            rows = plan.step_map[blocks.clamp(0, EXPERTS - 1).long()]
+            torch.where(valid, rows, -1).to(torch.int32)
+
+    static_ids.copy_(routes[0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = {}
+    with torch.cuda.stream(stream):
+        for fn in (plan_all, copy_all, marlin_all, legacy_all):
+            fn()  # eager warm-up, gates closed
+    torch.cuda.current_stream().wait_stream(stream)
+    for name, fn in (
+        ("plan", plan_all),
+        ("copy", copy_all),
+        ("marlin", marlin_all),
+        ("legacy_plan_align_remap", legacy_all),
+    ):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+        graphs[name] = graph
+    t.set_gate(True)
+    legacy.set_gate(True)
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for s in range(args.warmup + args.steps):
+        static_ids.copy_(routes[s])
+        for name, graph in graphs.items():
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if s >= args.warmup:
+                times[name].append(start.elapsed_time(end))
+    out: dict[str, Any] = {name: summarize(v, layers) for name, v in times.items()}
+    out["parts_sum_median_ms"] = sum(out[name]["median_ms"] for name in ("plan", "copy", "marlin"))
+    out["error_flag"] = int(t.error.item())
+    graphs.clear()
+    plans.clear()
+    return out
+
+
 def run_case(args: argparse.Namespace, batch: int, experts: dict[str, Any]) -> Any:
     import torch
     from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
@@ -280,6 +388,9 @@ def run_case(args: argparse.Namespace, batch: int, experts: dict[str, Any]) -> A
         results[kind] = entry
         del graph, pool, model
         torch.cuda.empty_cache()
+        if args.breakdown:
+            entry["breakdown"] = breakdown_case(args, routes, x, weights, static_ids, experts)
+            torch.cuda.empty_cache()
     return results
 
 
@@ -294,6 +405,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--zipf", type=float, default=1.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time planner, copy and Marlin as separate graphs",
+    )
     args = parser.parse_args()
 
     _need_pool()
@@ -317,6 +433,7 @@ def main() -> int:
             "rows": args.rows,
             "decode_tokens": args.decode_tokens,
             "zipf": args.zipf,
+            "breakdown": args.breakdown,
         },
         "cases": cases,
         "seconds": round(time.monotonic() - started, 1),
@@ -337,6 +454,16 @@ def main() -> int:
                 f"batch {batch:>3} {kind:14} median {entry['median_ms']:.3f} ms"
                 + (f"  miss rate {entry['miss_rate']:.3f}" if "miss_rate" in entry else "")
             )
+            parts = entry.get("breakdown")
+            if parts:
+                print(
+                    "    breakdown: "
+                    + "  ".join(
+                        f"{name} {parts[name]['median_ms']:.3f}"
+                        for name in ("plan", "copy", "marlin", "legacy_plan_align_remap")
+                    )
+                    + f"  (parts sum {parts['parts_sum_median_ms']:.3f} ms)"
+                )
     return 0
 
 

@@ -64,6 +64,13 @@ def test_claims_table_reads_our_value_from_the_result(project):
         '[[claim]]\nid = "C2"\nclaim = "decode"\nseed = "107 tok/s"\n'
         'method = "runnable-by-user, not run here (no SM120)"\ncommand = "nox -s replay"\n'
     )
+    with (project.root / "results/claims.toml").open("a") as fh:
+        fh.write(
+            '\n[[claim]]\nid = "C3"\nclaim = "two"\nseed = "s"\nmethod = "m"\ncommand = "c"\n'
+            'ours_from = ["results/a.json#/data/ttft_s", "results/a.json#/kind"]\n'
+            'ours_format = "{0} s ({1})"\n'
+        )
     table = results.render_claims(project)
+    assert "| C3: two | s | 1.8 s (demo) | m |" in table
     assert "| C1: TTFT | 1.81 s | 1.8 | replayed at layer level |" in table
     assert "| C2: decode | 107 tok/s | not run here |" in table
