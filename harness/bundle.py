@@ -80,7 +80,7 @@ from pathlib import Path, PurePosixPath
 from harness import fatbin
 from harness.base import base_commit, fetch
 from harness.project import HarnessError, Project, git, progress, sha256_file
-from harness.series import series_hash, touched_tests
+from harness.series import series_hash, touched_files, touched_tests
 
 MiB = 1 << 20
 DEFAULT_MAX_BYTES = 60 * MiB
@@ -767,9 +767,15 @@ def _assemble(
     test_roots = list(tests)
     series = touched_tests(tree, base, commit) if series_tests else []
     test_roots += [t for t in series if t not in test_roots]
+    # Helpers and data the series adds beside its tests travel too (a test may
+    # run them by path, which the import closure cannot see); only test_*.py
+    # files are handed to pytest.
+    support = (
+        [f for f in touched_files(tree, base, commit) if f not in series] if series_tests else []
+    )
     progress(f"packing {len(test_roots)} test file(s) and their support files")
     test_sources = git_files(tree, commit, ["tests", "pyproject.toml"])
-    carried = select_tests({n: m.data for n, m in test_sources.items()}, test_roots)
+    carried = select_tests({n: m.data for n, m in test_sources.items()}, test_roots + support)
     write_archive(staging / "tests.tar.xz", {n: test_sources[n] for n in carried}, mtime)
     contents["tests"] = {
         "archive": "tests.tar.xz",

@@ -441,13 +441,23 @@ def check_standalone(project: Project, tree: Path, base: str) -> list[str]:
     return problems
 
 
+def touched_files(tree: Path, base: str, revision: str = "HEAD", under: str = "tests") -> list[str]:
+    """Files below ``under`` that ``base..revision`` adds or changes."""
+    return sorted(
+        git(
+            tree, "diff", "--name-only", "--diff-filter=AM", f"{base}..{revision}", "--", under
+        ).stdout.split()
+    )
+
+
 def touched_tests(tree: Path, base: str, revision: str = "HEAD") -> list[str]:
     """Test files (``tests/**/test_*.py``) that ``base..revision`` adds or changes.
 
     ``revision`` defaults to the checked-out commit (``harness test``); the
     device bundle passes the commit it packs.
     """
-    names = git(
-        tree, "diff", "--name-only", "--diff-filter=AM", f"{base}..{revision}", "--", "tests"
-    ).stdout.split()
-    return sorted(n for n in names if Path(n).name.startswith("test_") and n.endswith(".py"))
+    return [
+        n
+        for n in touched_files(tree, base, revision)
+        if Path(n).name.startswith("test_") and n.endswith(".py")
+    ]

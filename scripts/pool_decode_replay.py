@@ -413,6 +413,11 @@ def main() -> int:
     args = parser.parse_args()
 
     _need_pool()
+    if args.breakdown:
+        from vllm.model_executor.layers.fused_moe.expert_pool.layer import PoolLayer
+
+        if not hasattr(PoolLayer, "plan_step"):
+            sys.exit("--breakdown needs the pool with PoolLayer.plan_step (fused planner)")
     import torch
     import vllm
     from vllm.config import VllmConfig, set_current_vllm_config

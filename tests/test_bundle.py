@@ -434,6 +434,8 @@ def ready(project: Project, commit: CommitFn, tmp_path: Path) -> Project:
             "tests/__init__.py": "",
             "tests/kernels/__init__.py": "",
             "tests/kernels/test_device.py": TEST_FILE,
+            # run by path from a test, not imported: must travel all the same
+            "tests/kernels/device_checks.py": "CHECKS = 1\n",
             "pyproject.toml": "[tool.pytest.ini_options]\nmarkers = []\n",
         },
     )
@@ -496,6 +498,7 @@ def test_build_writes_manifest_provenance_and_archives(ready: Project, tmp_path:
             "pyproject.toml",
             "tests/__init__.py",
             "tests/kernels/__init__.py",
+            "tests/kernels/device_checks.py",
             "tests/kernels/test_device.py",
         }
     assert (out / "device_run.py").read_bytes() == Path(device_run.__file__).read_bytes()
