@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness.build import venv_python
-from harness.project import HarnessError, Project, git, progress, run, sha256_file
+from harness.project import HarnessError, Project, git, nvidia_smi, progress, run, sha256_file
 
 HERE = Path(__file__).resolve().parent
 BINDING_SOURCE = HERE / "kernels_binding.cpp"
@@ -119,17 +119,8 @@ def detect_arch(
 
 
 def _query_nvidia_smi() -> str | None:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    proc = subprocess.run(
-        [smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    return proc.stdout if proc.returncode == 0 else None
+    rows = nvidia_smi("compute_cap")
+    return None if rows is None else "\n".join(row[0] for row in rows)
 
 
 def resolve_arch(arch: str | None, query: Callable[[], str | None] | None = None) -> str:

@@ -210,6 +210,26 @@ def run(
         )
 
 
+def nvidia_smi(*fields: str) -> list[list[str]] | None:
+    """``nvidia-smi --query-gpu=FIELDS`` as one row of values per GPU.
+
+    ``None`` when there is no usable nvidia-smi (no driver, no GPU).
+    """
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    return [[v.strip() for v in line.split(",")] for line in proc.stdout.strip().splitlines()]
+
+
 def progress(message: str) -> None:
     """One line of progress on stderr, so long steps never look stuck."""
     print(f"[harness] {message}", file=sys.stderr, flush=True)

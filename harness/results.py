@@ -23,35 +23,25 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 from typing import Any
 
-from harness.project import HarnessError, Project
+from harness.project import HarnessError, Project, nvidia_smi
 
 SCHEMA = 1
 REQUIRED = ("command", "date", "host", "gpu", "driver", "cuda", "torch", "python", "base")
 
 
-def _nvidia_smi() -> tuple[str, str]:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+def gpu_and_driver() -> tuple[str, str]:
+    """``("NVIDIA H200", "580.159.04")``, ``("2x NVIDIA H200", ...)``, or ``("none", "none")``."""
+    rows = nvidia_smi("name", "driver_version")
+    if rows is None:
         return "none", "none"
-    if out.returncode != 0 or not out.stdout.strip():
-        return "none", "none"
-    names = [line.split(",")[0].strip() for line in out.stdout.strip().splitlines()]
-    driver = out.stdout.strip().splitlines()[0].split(",")[1].strip()
+    names = [row[0] for row in rows]
     gpu = names[0] if len(set(names)) == 1 else "; ".join(names)
-    return (f"{len(names)}x {gpu}" if len(names) > 1 else gpu), driver
+    return (f"{len(names)}x {gpu}" if len(names) > 1 else gpu), rows[0][1]
 
 
 def _torch() -> tuple[str, str]:
@@ -82,7 +72,7 @@ def provenance(command: str | list[str] | None = None, **extra: str) -> dict[str
     """Where, when and on what a result was produced."""
     project = Project.discover()
     pin = project.pin
-    gpu, driver = _nvidia_smi()
+    gpu, driver = gpu_and_driver()
     torch_version, cuda = _torch()
     if command is None:
         command = [Path(sys.argv[0]).name, *sys.argv[1:]]

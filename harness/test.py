@@ -19,7 +19,7 @@ import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness import build, series
+from harness import build, results, series
 from harness.project import HarnessError, Project, git, progress, run
 
 # What vLLM's tests/conftest.py imports beyond vLLM's own dependencies.
@@ -71,21 +71,6 @@ def parse_junit(path: Path, tests: tuple[str, ...], gpu: str) -> TestReport:
     return TestReport(tests, passed, failed, errors, tuple(skipped), gpu)
 
 
-def detect_gpu() -> str:
-    """The first GPU's name from ``nvidia-smi``, or ``"none"``."""
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "none"
-    return out.stdout.splitlines()[0].strip() if out.returncode == 0 and out.stdout else "none"
-
-
 def install_wheel(project: Project, info: build.BuildInfo) -> Path:
     """The harness venv with the built wheel (and its dependencies) installed."""
     python = build.ensure_venv(project, TEST_REQUIREMENTS)
@@ -121,7 +106,7 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
             "the built wheel is from another commit of the tree; run `python -m harness build`"
         )
     tests = tuple(series.touched_tests(tree, base))
-    gpu = detect_gpu()
+    gpu, _ = results.gpu_and_driver()
     if not tests:
         report = TestReport(tests, 0, 0, 0, (), gpu)
         progress("the series adds or changes no tests; nothing to run")

@@ -83,9 +83,12 @@ def make_experts(num_experts: int, seed: int) -> dict[str, Any]:
     return {k: torch.stack(v).contiguous() for k, v in parts.items()}
 
 
-def pending_layer(index: int, experts: dict[str, Any], rows: int) -> Any:
+def pending_layer(
+    index: int, experts: dict[str, Any], rows: int, num_experts: int = EXPERTS
+) -> Any:
     """A module with what ``install_expert_pool`` reads from a converted
-    ``RoutedExperts``: pinned Marlin-layout expert tensors plus metadata."""
+    ``RoutedExperts``: pinned Marlin-layout expert tensors plus metadata.
+    (``scripts/staging_replay.py`` builds its layers with it too.)"""
     import torch
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
@@ -97,7 +100,7 @@ def pending_layer(index: int, experts: dict[str, Any], rows: int) -> Any:
     fused_experts = SimpleNamespace(activation=None, input_dtype=None, w1_bias=None, w2_bias=None)
     attrs = {
         "layer_name": f"layers.{index}.mlp.experts",
-        "local_num_experts": EXPERTS,
+        "local_num_experts": num_experts,
         "top_k": TOP_K,
         "expert_pool_rows": rows,
         "expert_pool_pending": True,

@@ -61,8 +61,9 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
+
+from pool_decode_replay import pending_layer  # same folder: sys.path[0]
 
 HIDDEN, INTER, TOP_K = 4096, 1024, 8
 GIB = 1 << 30
@@ -134,34 +135,6 @@ def make_template() -> dict[str, Any]:
         out[f"{name}_weight_scale"] = scales
         out[f"{name}_weight_scale_2"] = gscale.reshape(())
     return out
-
-
-def pending_layer(index: int, experts: dict[str, Any], num_experts: int, rows: int) -> Any:
-    """A module with what ``install_expert_pool`` reads from a converted
-    ``RoutedExperts``: pinned Marlin-layout expert tensors plus metadata."""
-    import torch
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-
-    layer = torch.nn.Module()
-    for key, value in experts.items():
-        pinned = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
-        pinned.copy_(value)
-        layer.register_parameter(key, torch.nn.Parameter(pinned, requires_grad=False))
-    fused = SimpleNamespace(activation=None, input_dtype=None, w1_bias=None, w2_bias=None)
-    attrs = {
-        "layer_name": f"layers.{index}.mlp.experts",
-        "local_num_experts": num_experts,
-        "top_k": TOP_K,
-        "expert_pool_rows": rows,
-        "expert_pool_pending": True,
-        "expert_pool_layer": None,
-        "activation": MoEActivation.SILU,
-        "apply_router_weight_on_input": False,
-        "quant_method": SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=fused)),
-    }
-    for key, value in attrs.items():
-        setattr(layer, key, value)
-    return layer
 
 
 def uniform_routes(tokens: int, num_experts: int, gen: Any) -> tuple[Any, Any]:
@@ -317,7 +290,7 @@ class Replay:
         layers = []
         for i in range(args.layers):
             experts = make_layer_experts(self.E, template, args.seed + 1 + i)
-            layers.append(pending_layer(i, experts, self.E, args.rows))
+            layers.append(pending_layer(i, experts, args.rows, num_experts=self.E))
             del experts
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
