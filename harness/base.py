@@ -58,9 +58,9 @@ def find_file_url(project: str, filename: str, index: str | None = None) -> str:
     the harness reads the listing itself; both PEP 691 JSON and PEP 503 HTML
     pages are understood.
     """
-    page = urllib.parse.urljoin(index or index_url(), f"{project}/")
-    if not page.endswith("/"):
-        page += "/"
+    root = index or index_url()
+    # urljoin replaces the last path segment of a root without a slash
+    page = urllib.parse.urljoin(root if root.endswith("/") else root + "/", f"{project}/")
     request = urllib.request.Request(page, headers={"Accept": _SIMPLE_ACCEPT})
     try:
         with urllib.request.urlopen(request, timeout=60) as resp:

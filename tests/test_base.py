@@ -70,5 +70,15 @@ def test_simple_index_listing_html(monkeypatch):
     monkeypatch.setattr(base.urllib.request, "urlopen", lambda *a, **k: Response())
     url = base.find_file_url("vllm", "vllm-1.0.0.tar.gz", "http://index.invalid/simple/")
     assert url == "http://index.invalid/files/vllm-1.0.0.tar.gz#sha256=ab"
+    pages: list[str] = []
+
+    def record(request, **kwargs):
+        pages.append(request.full_url)
+        return Response()
+
+    monkeypatch.setattr(base.urllib.request, "urlopen", record)
+    # pip's default index has no trailing slash: the project page is still below it
+    base.find_file_url("vllm", "vllm-1.0.0.tar.gz", "http://index.invalid/simple")
+    assert pages == ["http://index.invalid/simple/vllm/"]
     with pytest.raises(HarnessError, match="not listed"):
         base.find_file_url("vllm", "vllm-2.0.0.tar.gz", "http://index.invalid/simple/")
