@@ -10,12 +10,9 @@ tree, after the prerequisites its note names, and classified: ``clean``,
 
 from __future__ import annotations
 
-import datetime
-import json
-import platform
 from typing import Any
 
-from harness import document, series
+from harness import document, results, series
 from harness.base import materialize
 from harness.project import Project, Release, git, progress
 
@@ -54,18 +51,14 @@ def run_matrix(project: Project) -> dict[str, Any]:
     releases = [*pin.matrix, pin.release]
     columns = {r.version: classify(project, r) for r in releases}
     data = {
-        "command": "nox -s matrix",
-        "date": datetime.date.today().isoformat(),
-        "series_hash": series.series_hash(project),
         "git": git(project.root, "--version").stdout.strip(),
-        "host": platform.platform(),
         "versions": [r.version for r in releases],
         "rows": [
             {"patch": p.name, "cells": {v: columns[v][p.name] for v in columns}}
             for p in series.series_files(project)
         ],
     }
-    project.results.mkdir(exist_ok=True)
-    (project.results / "matrix.json").write_text(json.dumps(data, indent=2) + "\n")
+    prov = results.provenance("nox -s matrix")
+    results.write(project.results / "matrix.json", "revision-matrix", data, prov)
     document.update(project)
     return data

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from harness import matrix, series
+from harness import matrix, results, series
 from harness.project import Release
 from tests.conftest import FILES, make_sdist
 
@@ -41,24 +39,24 @@ def test_matrix_json_renders_in_series_md(project):
         "<!-- BEGIN GENERATED: matrix -->\n<!-- END GENERATED: matrix -->\n"
     )
     project.results.mkdir()
-    (project.results / "matrix.json").write_text(
-        json.dumps(
-            {
-                "command": "nox -s matrix",
-                "date": "2026-11-29",
-                "series_hash": "abc",
-                "versions": ["0.9.0", "1.0.0"],
-                "rows": [
-                    {
-                        "patch": "0001-x.patch",
-                        "cells": {
-                            "0.9.0": {"outcome": "rebase", "files": ["a.py"]},
-                            "1.0.0": {"outcome": "clean", "files": ["a.py"]},
-                        },
-                    }
-                ],
-            }
-        )
+    prov = {k: "x" for k in results.REQUIRED}
+    prov |= {"command": "nox -s matrix", "date": "2026-11-29T10:00:00+00:00", "series_hash": "abc"}
+    results.write(
+        project.results / "matrix.json",
+        "revision-matrix",
+        {
+            "versions": ["0.9.0", "1.0.0"],
+            "rows": [
+                {
+                    "patch": "0001-x.patch",
+                    "cells": {
+                        "0.9.0": {"outcome": "rebase", "files": ["a.py"]},
+                        "1.0.0": {"outcome": "clean", "files": ["a.py"]},
+                    },
+                }
+            ],
+        },
+        prov,
     )
     from harness import document
 
