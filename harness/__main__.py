@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -216,7 +217,18 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     r.add_argument("--profile", default="tiny-synthetic", help="profile name")
     r.add_argument("--out", type=_path, help="result folder (default: results/replay/DATE-PROFILE)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    r.add_argument("--python", type=_path, help="venv python with vLLM (default: harness venv)")
+    r.add_argument(
+        "--python", type=_interpreter, help="venv python with vLLM (default: harness venv)"
+    )
+    r.add_argument(
+        "--vllm-command",
+        type=shlex.split,
+        default=[],
+        metavar="CMD",
+        help="command line that runs vLLM's CLI, for `serve` and `bench serve` (default: the "
+        "`vllm` script beside --python); e.g. 'python3 -m vllm.entrypoints.cli.main' where "
+        "vLLM is on PYTHONPATH without a console script (the device bundle)",
+    )
     r.add_argument("--port", type=int, help="server port (default: a free one)")
     c = add(
         "checkpoint",
@@ -235,7 +247,7 @@ def _cmd_replay(project: Project, args: argparse.Namespace) -> int:
 
     return replay.main(
         project, args.experiment, args.profile, out=args.out, dry_run=args.dry_run,
-        python=args.python, port=args.port, argv=sys.argv[1:],
+        python=args.python, vllm_command=args.vllm_command, port=args.port, argv=sys.argv[1:],
     )  # fmt: skip
 
 
@@ -259,6 +271,11 @@ def _cmd_selftest(project: Project, args: argparse.Namespace) -> int:
 
 def _path(value: str) -> Path:
     return Path(value).resolve()
+
+
+def _interpreter(value: str) -> Path:
+    """Absolute, symlinks kept: a venv's ``bin/python`` is a link that resolves out of the venv."""
+    return Path(value).absolute()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

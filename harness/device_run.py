@@ -6,6 +6,7 @@ library alone: nothing from the harness is installed there. ::
 
     python3 .bundle/device_run.py --out "$OUT" [-k EXPR] [--test NODEID ...]
         [--replay "path/to/script.py --arg value" ...] [--prefix /tmp/vllm-bundle]
+        [--time-limit SECONDS]
 
 Steps, each recorded in ``<out>/results.json`` as soon as it ends (so a run
 cut short still says how far it got). The file has the project's result
@@ -17,8 +18,9 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
 1. **install**: check every file against ``MANIFEST.txt``; unpack the vLLM
    tree and kernel libraries into ``<prefix>/py``, the tests into
    ``<prefix>/tests``, and ``pip install --no-index --no-deps --target
-   <prefix>/site`` the wheels. Nothing outside ``<prefix>`` is written but
-   ``<out>``.
+   <prefix>/site`` the wheels; byte-compile both trees once (the children run
+   with ``PYTHONDONTWRITEBYTECODE``). Nothing outside ``<prefix>`` is written
+   but ``<out>``.
 2. **smoke** (in a child process with ``PYTHONPATH=<prefix>/py:<prefix>/site``):
    vLLM imports and picks the CUDA platform; one kernel of each carried
    library against a torch reference (``_moe_C`` topk_softmax, ``_C``
@@ -31,6 +33,9 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
    XML of what ran.
 4. **replays**: each ``--replay`` command runs under the same environment with
    its output in ``<out>/replay-N.log``; ``VLLM_BUNDLE_OUT`` names ``<out>``.
+   ``--time-limit`` bounds the whole run: a replay's timeout is cut to what is
+   left of it, so the last one ends (and ``results.json`` is written) before
+   the device call's own limit.
 
 A section passes only when something ran and nothing failed: skipped tests,
 a smoke not run, or no tests collected never count as passing. The exit
@@ -43,6 +48,7 @@ pytest.log and replay-N.log (at most 8 files come back from a device call).
 from __future__ import annotations
 
 import argparse
+import compileall
 import datetime
 import functools
 import hashlib
@@ -176,6 +182,13 @@ def install(bundle: Path, prefix: Path, log: Callable[[str], object]) -> dict[st
         log("$ " + shlex.join(cmd) + "\n" + proc.stdout + proc.stderr)
         if proc.returncode != 0:
             raise BundleError(f"pip install of the carried wheels failed:\n{proc.stderr[-2000:]}")
+    # Byte-compile once, on every core: the children run with PYTHONDONTWRITEBYTECODE
+    # (see environment()), so otherwise each server process and each `vllm bench`
+    # client would compile the imported sources again. A file that does not compile
+    # (one written for another Python) is left to fail where it is imported.
+    for folder in ("py", "site"):
+        if (prefix / folder).is_dir():
+            compileall.compile_dir(prefix / folder, quiet=2, workers=0)
     return {"status": PASSED, "seconds": round(time.time() - start, 1), "wheels": len(wheels)}
 
 
@@ -199,6 +212,11 @@ def environment(prefix: Path, out: Path, provenance: dict[str, Any]) -> dict[str
     # Marlin MoE reaches sm_90 as PTX; let the driver cache the JIT output
     # beyond its 256 MiB default so repeated runs on a warm host reuse it.
     env.setdefault("CUDA_CACHE_MAXSIZE", str(4 << 30))
+    # FlashInfer does not travel. On CUDA, vLLM's top-k/top-p sampler asks
+    # whether FlashInfer's sampler can be used by importing vLLM's FlashInfer
+    # attention backend, which imports flashinfer: without this a server fails
+    # while building its sampler (v1/sample/ops/topk_topp_sampler.py).
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     return env
 
 
@@ -607,25 +625,36 @@ def run_pytest(
 
 
 def run_replays(
-    env: dict[str, str], out: Path, replays: Sequence[str], timeout: float
+    env: dict[str, str],
+    out: Path,
+    replays: Sequence[str],
+    timeout: float,
+    deadline: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Run each replay (``script.py args``, given to ``python3``) with the bundle's environment."""
+    """Run each replay (``script.py args``, given to ``python3``) with the bundle's environment.
+
+    Each replay gets ``timeout`` seconds, cut to what is left before ``deadline``
+    (a ``time.monotonic()`` value); one with nothing left is not started and is
+    recorded as timed out.
+    """
     records = []
     for index, line in enumerate(replays, 1):
+        left = timeout if deadline is None else min(timeout, deadline - time.monotonic())
+        record: dict[str, Any] = {"command": line, "exit_code": None, "status": TIMED_OUT}
+        if left <= 0:
+            records.append({**record, "seconds": 0.0, "note": "not started: no time left"})
+            continue
         cmd = [sys.executable, *shlex.split(line)]
         start = time.time()
         with (out / f"replay-{index}.log").open("w") as log:
-            code, timed_out = _run_logged(cmd, env=env, cwd=Path.cwd(), log=log, timeout=timeout)
-        status = TIMED_OUT if timed_out else PASSED if code == 0 else FAILED
-        records.append(
-            {
-                "command": line,
-                "exit_code": code,
-                "status": status,
-                "seconds": round(time.time() - start, 1),
-                "log": f"replay-{index}.log",
-            }
+            code, timed_out = _run_logged(cmd, env=env, cwd=Path.cwd(), log=log, timeout=left)
+        record.update(
+            exit_code=code,
+            status=TIMED_OUT if timed_out else PASSED if code == 0 else FAILED,
+            seconds=round(time.time() - start, 1),
+            log=f"replay-{index}.log",
         )
+        records.append(record)
     return records
 
 
@@ -700,6 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = shlex.join([Path(__file__).name, *argv])
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     args = _parser().parse_args(argv)
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     bundle = args.bundle.resolve()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -736,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             env, prefix, out, tests, args.k, args.pytest_arg, args.pytest_timeout
         )
         _write(out, run_provenance, results)
-    results["replays"] = run_replays(env, out, args.replay, args.replay_timeout)
+    results["replays"] = run_replays(env, out, args.replay, args.replay_timeout, deadline)
     _write(out, run_provenance, results)
     _summary(results)
     return 0 if results["ok"] else 1
@@ -824,6 +854,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--smoke-timeout", type=float, default=300.0, metavar="SECONDS")
     parser.add_argument("--pytest-timeout", type=float, default=600.0, metavar="SECONDS")
     parser.add_argument("--replay-timeout", type=float, default=600.0, metavar="SECONDS")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock budget from the start: each replay's timeout is cut to what is "
+        "left, and a replay with nothing left is not started (recorded as timed out); a "
+        "cut replay gets SIGINT, then SIGKILL 30 s later",
+    )
     return parser
 
 

@@ -14,6 +14,12 @@ prefill staging on/off, custom all-reduce on/off, ``--max-num-batched-tokens``)
 and, per experiment, the arms, input lengths, output length, runs and warm-ups.
 ``--dry-run`` prints every command without starting anything.
 
+vLLM's CLI is the ``vllm`` script next to the server's Python. Where vLLM is
+not installed but put on ``PYTHONPATH`` (the device bundle, see
+``docs/device-bundle.md``) there is no such script: ``--vllm-command "python3 -m
+vllm.entrypoints.cli.main"`` then runs both ``vllm serve`` and ``vllm bench
+serve``, and ``--python`` names the interpreter whose versions are recorded.
+
 For each arm the runner starts ``vllm serve`` from the harness venv (the built
 wheel of the series, installed by :func:`harness.test.install_wheel`; ``--python``
 selects another venv, e.g. the stock release for an A/B), in its own process
@@ -101,6 +107,7 @@ class ServerOptions:
     tensor_parallel_size: int | None = None
     data_parallel_size: int | None = None
     moe_backend: str | None = None
+    attention_backend: str | None = None  # e.g. TRITON_ATTN where FlashAttention is missing
     moe_expert_pool_rows: int | None = None
     prefill_staging: bool | None = None  # False: --no-moe-expert-pool-prefill-staging
     custom_all_reduce: bool | None = None  # False: --disable-custom-all-reduce
@@ -121,6 +128,7 @@ class ServerOptions:
             ("--tensor-parallel-size", self.tensor_parallel_size),
             ("--data-parallel-size", self.data_parallel_size),
             ("--moe-backend", self.moe_backend),
+            ("--attention-backend", self.attention_backend),
             ("--moe-expert-pool-rows", self.moe_expert_pool_rows),
             ("--kv-cache-dtype", self.kv_cache_dtype),
             ("--max-model-len", self.max_model_len),
@@ -274,6 +282,16 @@ def bench_argv(vllm: Sequence[str], model: str, port: int, run: BenchRun) -> lis
     if run.metadata:
         argv += ["--metadata", *(f"{k}={v}" for k, v in run.metadata.items())]
     return argv
+
+
+#: Prefixes of inherited environment variables that change how a server runs;
+#: each result records them (``TORCH_COMPILE_DISABLE``, ``VLLM_*`` switches, ...).
+SERVER_ENV_PREFIXES = ("VLLM_", "TORCH_", "PYTORCH_", "CUDA_", "NCCL_", "TRITON_", "HF_")
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` with a :data:`SERVER_ENV_PREFIXES` prefix, sorted."""
+    return {k: environ[k] for k in sorted(environ) if k.startswith(SERVER_ENV_PREFIXES)}
 
 
 def free_port() -> int:
@@ -613,7 +631,7 @@ class Runner:
     profile: Profile
     experiment: str
     out: Path
-    vllm: Sequence[str]  # the `vllm` CLI: [venv/bin/vllm] (tests pass a fake)
+    vllm: Sequence[str]  # vLLM's CLI: [venv/bin/vllm], [python3, -m, ...] or a test's fake
     model: str | None = None  # resolved model (the synthetic checkpoint's path)
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     dry_run: bool = False
@@ -656,7 +674,7 @@ class Runner:
         prov = self.provenance()
         prov["server_argv"] = server.argv
         prov["bench_argv"] = bench
-        prov["env"] = dict(self.env)
+        prov["env"] = {**server_env(os.environ), **self.env}
         record = {
             "experiment": self.experiment,
             "profile": self.profile.name,
@@ -939,10 +957,14 @@ def main(
     out: Path | None = None,
     dry_run: bool = False,
     python: Path | None = None,
+    vllm_command: Sequence[str] = (),
     port: int | None = None,
     argv: Sequence[str] = (),
 ) -> int:
-    """``python -m harness replay``: see the module docstring."""
+    """``python -m harness replay``: see the module docstring.
+
+    ``vllm_command`` runs vLLM's CLI (default: the ``vllm`` script beside ``python``).
+    """
     if experiment == "plot":
         if out is None:
             raise HarnessError("replay plot needs --out DIR (a replay's result directory)")
@@ -963,7 +985,7 @@ def main(
         from harness import build, test
 
         python = test.install_wheel(project, build.built(project))
-    vllm = [str(python.parent / "vllm")]
+    vllm = list(vllm_command) or [str(python.parent / "vllm")]
     runner = Runner(profile, experiment, out, vllm, model=model, dry_run=dry_run, port=port)
     if dry_run:
         if model:

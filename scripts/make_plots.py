@@ -4,7 +4,7 @@
 
 Three pictures, each read from a committed result file (no number is typed in
 here): MoE-only TTFT by staging mode and prompt length
-(results/staging/staging_replay_run1.json), the Marlin bound by bank rows
+(results/staging/staging_replay_run2.json), the Marlin bound by bank rows
 (results/marlin/run1_bound.json and run3_bound.json), and allocated memory by
 MoE layer for one B12x wrapper per layer against one shared wrapper
 (results/b12x/b12x_oom_replay_h200.json). Each PNG's title names its file.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGING = "results/staging/staging_replay_run1.json"
+STAGING = "results/staging/staging_replay_run2.json"
 BOUND = ("results/marlin/run1_bound.json", "results/marlin/run3_bound.json")
 B12X = "results/b12x/b12x_oom_replay_h200.json"
 GIB = 1 << 30
@@ -29,7 +29,8 @@ def _data(rel: str) -> Any:
 
 
 def ttft(ax: Any) -> None:
-    data = _data(STAGING)["ttft_moe_only"]
+    run = _data(STAGING)
+    data, setup = run["ttft_moe_only"], run["setup"]
     modes = [("host_view", "host view"), ("staged_sync", "staged, no prefetch"),
              ("staged", "staged + prefetch")]  # fmt: skip
     steps = sorted({int(k.split("_")[-2]) for k in data})
@@ -42,7 +43,8 @@ def ttft(ax: Any) -> None:
     ax.set_xticks([x + width for x in range(len(labels))], labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("MoE-only TTFT (s)")
-    ax.set_title(f"Prefill staging, 8 layers x 256 experts, H200\n{STAGING}", fontsize=8)
+    shape = f"{setup['layers']} layers x {setup['experts']} experts"
+    ax.set_title(f"Prefill staging, {shape}, H200\n{STAGING}", fontsize=8)
     ax.legend(fontsize=7)
 
 

@@ -94,8 +94,11 @@ def pending_layer(
 
     layer = torch.nn.Module()
     for key, value in experts.items():
-        pinned = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
-        pinned.copy_(value)
+        if value.device.type == "cpu" and value.is_pinned():
+            pinned = value  # shared with other layers: the pool keeps pinned sources as they are
+        else:
+            pinned = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
+            pinned.copy_(value)
         layer.register_parameter(key, torch.nn.Parameter(pinned, requires_grad=False))
     fused_experts = SimpleNamespace(activation=None, input_dtype=None, w1_bias=None, w2_bias=None)
     attrs = {

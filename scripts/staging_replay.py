@@ -2,17 +2,18 @@
 
 Builds a stack of ``--layers`` synthetic NVFP4 MoE layers of a GLM-like
 per-rank shape (hidden 4096, intermediate 1024 per partition, ``--experts``
-experts, top-8) in pinned host memory, installs the expert pool of the
-``dev/pool`` commit with the prefill stager of ``dev/staging`` over them
-(``--rows`` pool rows per layer), shuffles residency with decode steps under
-the global LRU, and then measures, with the real Marlin kernel:
+experts, top-8) in pinned host memory, installs the expert pool of series
+commit 0001 with the prefill stager of 0004 over them (``--rows`` pool rows
+per layer), shuffles residency with decode steps under the global LRU, and
+then measures, with the real Marlin kernel:
 
 * per-step time of the MoE stack (wall clock, host sync included) for steps
   of ``--steps`` tokens (default 4096, 4608, 8192), uniformly routed, in four
   modes: ``resident`` (every expert on the GPU, stock ``fused_marlin_moe``),
   ``host_view`` (partition path reading non-resident experts through UVA),
-  ``staged_sync`` (staging without next-layer prefetch) and ``staged``
-  (staging with prefetch);
+  ``staged_sync`` (staging without next-layer prefetch: each layer's copy
+  starts after the work queued before it) and ``staged`` (staging with
+  prefetch);
 * bytes over PCIe per step: staged bytes exactly (stager counters), host-view
   bytes from a model (one read of an expert per Marlin M-block) and, where
   NVML is available, integrated from NVML PCIe RX throughput samples
@@ -21,8 +22,9 @@ the global LRU, and then measures, with the real Marlin kernel:
   and the stager's own copy bandwidth (its copies alone, no compute);
 * MoE-only TTFT estimates for 12.5K and 81.6K-token prompts from per-step
   times (chunks of the step size, remainder steps measured too);
-* decode step time (eager, ``--decode-tokens`` tokens) with staging attached
-  and detached, interleaved.
+* decode step time (``--decode-tokens`` tokens) with staging attached and
+  detached, interleaved: replayed from CUDA graphs (what the goal uses: the
+  seed decoded under FULL_DECODE_ONLY) and, for reference, eager.
 
 It then checks the issue's goals and records pass/fail for each:
 
@@ -36,9 +38,16 @@ The seed's numbers are end-to-end TTFT of a whole model (GLM-5.3-Flash NVFP4,
 TP=2, RTX PRO 6000, PCIe); ours cover only the routed experts of an
 ``--layers``-layer stack on one H200, so only ratios are compared.
 
-Memory (defaults: 8 layers x 256 experts, 6.75 MiB per expert): 13.5 GiB of
-pinned host memory; on the GPU about 10 GiB bank (192 rows per layer), 3.4 GiB
-staging buffers and 13.5 GiB for the all-resident baseline.
+Layers: 42 by default, the seed model's pooled MoE layers as inferred in
+SERIES.md; the first layer's copy cannot overlap anything within a step, so
+the layer count sets how much of the step it is. The layers share
+``--host-sets`` distinct pinned expert sets round robin, which keeps host
+memory bounded; timing depends on the bytes moved and computed, not on which
+bytes they are.
+
+Memory (defaults: 42 layers x 256 experts, 6.75 MiB per expert, 8 host sets):
+13.5 GiB of pinned host memory; on the GPU a 53 GiB bank (192 rows per layer),
+3.4 GiB of staging buffers and 13.5 GiB for the all-resident baseline.
 
 Needs torch and a vLLM import containing the expert pool and
 ``expert_pool/stage.py`` (the 0.33.0 bundle with the series' Python files laid
@@ -76,6 +85,7 @@ SEED_TTFT_S: dict[str, dict[str, float]] = {
 }
 SEED_NOTE = "8192 batched tokens ran 4608-token steps on the seed's hybrid model"
 PROMPTS = {"12.5K": 12_500, "81.6K": 81_600}
+FEED_ROUTES = 64  # route sets cycled through by the decode graph replays
 
 
 def _need_stage() -> None:
@@ -116,6 +126,15 @@ def make_layer_experts(num_experts: int, template: dict[str, Any], seed: int) ->
                 0, flat.numel(), (num_experts, flat.numel()), device="cuda", generator=gen
             )
             out[name] = flat[idx].view(shape).contiguous()
+    return out
+
+
+def pinned_copy(t: Any) -> Any:
+    """A pinned host copy of a tensor."""
+    import torch
+
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    out.copy_(t)
     return out
 
 
@@ -287,11 +306,17 @@ class Replay:
         t0 = time.monotonic()
         template = make_template()
         self.row_bytes = {name: t.numel() * t.element_size() for name, t in template.items()}
-        layers = []
-        for i in range(args.layers):
-            experts = make_layer_experts(self.E, template, args.seed + 1 + i)
-            layers.append(pending_layer(i, experts, args.rows, num_experts=self.E))
+        # Distinct pinned expert sets, shared round robin by the layers: what is
+        # timed depends on bytes moved and computed, not on which bytes they are.
+        self.host_sets: list[dict[str, Any]] = []
+        for k in range(min(args.host_sets, args.layers)):
+            experts = make_layer_experts(self.E, template, args.seed + 1 + k)
+            self.host_sets.append({name: pinned_copy(t) for name, t in experts.items()})
             del experts
+        layers = [
+            pending_layer(i, self.host_sets[i % len(self.host_sets)], args.rows, num_experts=self.E)
+            for i in range(args.layers)
+        ]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self.model = torch.nn.ModuleList(layers)
@@ -302,19 +327,24 @@ class Replay:
         if self.stager is None:
             raise SystemExit("no prefill stager attached (is staging disabled in the config?)")
         self.pinned_gib = (
-            sum(
-                t.numel() * t.element_size()
-                for layer in self.pool.layers
-                for t in layer.sources.values()
-            )
+            sum(t.numel() * t.element_size() for host in self.host_sets for t in host.values())
             / GIB
         )
+
+    def resident_sets(self) -> list[dict[str, Any]]:
+        """Every layer's experts on the GPU (one device copy per distinct host set)."""
+        on_gpu = [{n: t.to("cuda") for n, t in host.items()} for host in self.host_sets]
+        return [on_gpu[i % len(on_gpu)] for i in range(len(self.pool.layers))]
+
+    def attach(self, on: bool) -> None:
+        """Attach the stager to every layer (staging on) or detach it (off)."""
+        for layer in self.pool.layers:
+            layer.stager = self.stager if on else None
 
     # -- modes ---------------------------------------------------------------
 
     def set_mode(self, mode: str, min_tokens: int | None = None) -> None:
-        for layer in self.pool.layers:
-            layer.stager = None if mode == "host_view" else self.stager
+        self.attach(mode != "host_view")
         self.stager.prefetch = mode == "staged"
         self.stager.min_tokens = self.args.min_tokens if min_tokens is None else min_tokens
 
@@ -448,40 +478,110 @@ class Replay:
             "finite": all(bool(torch.isfinite(a).all()) for a in staged),
         }
 
-    def decode(self, iters: int) -> dict[str, Any]:
-        """Eager decode steps of the stack, staging attached vs detached, interleaved."""
+    def resident_routes(self, tokens: int) -> list[tuple[Any, Any]]:
+        """Per layer, top-8 routes drawn among the layer's resident experts only."""
+        import torch
+
+        out = []
+        for layer in self.pool.layers:
+            scores = torch.rand(tokens, self.E, device="cuda", generator=self.gen)
+            scores[:, self.pool.tables.hot_slice(layer.index) < 0] = -1.0
+            ids = scores.topk(TOP_K, dim=1).indices.to(torch.int32).contiguous()
+            weights = torch.softmax(
+                torch.rand(tokens, TOP_K, device="cuda", generator=self.gen), dim=1
+            )
+            out.append((ids, weights.float().contiguous()))
+        return out
+
+    def decode(self, iters: int, replays: int) -> dict[str, Any]:
+        """Decode steps of the stack with staging on (attached) and off (detached).
+
+        For two kinds of routes - ``uniform`` (the global LRU copies every miss
+        into the bank, so copies dominate) and ``all_hits`` (routes among
+        resident experts only, so the step is the Marlin passes and the
+        planner) - two measurements, on and off interleaved in both:
+        ``graphs`` replays the decode step of all layers from CUDA graphs
+        captured once with the stager attached and once without (vLLM decodes
+        in graphs under FULL_DECODE_ONLY, the seed's setup); each sample is
+        ``replays`` back-to-back replays timed with CUDA events, fed routes
+        from a cycle of :data:`FEED_ROUTES` sets that both modes share.
+        ``eager`` times single uncaptured steps by wall clock (host launch
+        overhead included, so it is noisier), each with fresh routes, so
+        neither mode runs on rows the other just brought in.
+        """
         import torch
 
         tokens = self.args.decode_tokens
         x = (torch.randn(tokens, HIDDEN, device="cuda", generator=self.gen) / 10).bfloat16()
-        routes = [
-            [uniform_routes(tokens, self.E, self.gen) for _ in self.pool.layers]
-            for _ in range(iters)
-        ]
-        times: dict[str, list[float]] = {"on": [], "off": []}
         order = ("on", "off")
-        for it in range(iters):
-            for mode in order if it % 2 == 0 else order[::-1]:
-                for layer in self.pool.layers:
-                    layer.stager = self.stager if mode == "on" else None
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                self.pool_step(x, routes[it])
-                torch.cuda.synchronize()
-                times[mode].append(time.perf_counter() - t0)
-        for layer in self.pool.layers:
-            layer.stager = self.stager
-        skip = min(5, iters // 5)
-        on = statistics.median(times["on"][skip:])
-        off = statistics.median(times["off"][skip:])
-        return {
-            "tokens": tokens,
-            "iters": iters,
-            "on_median_ms": on * 1e3,
-            "off_median_ms": off * 1e3,
-            "on_over_off": on / off,
-            "decode_calls_checked": all(layer.decode_calls > 0 for layer in self.pool.layers),
+        kinds = {
+            "uniform": lambda: [uniform_routes(tokens, self.E, self.gen) for _ in self.pool.layers],
+            "all_hits": lambda: self.resident_routes(tokens),
         }
+
+        def medians(times: dict[str, list[float]]) -> dict[str, Any]:
+            skip = min(5, iters // 5)
+            on = statistics.median(times["on"][skip:])
+            off = statistics.median(times["off"][skip:])
+            return {"on_median_ms": on * 1e3, "off_median_ms": off * 1e3, "on_over_off": on / off}
+
+        out: dict[str, Any] = {
+            "tokens": tokens,
+            "samples": iters,
+            "replays_per_sample": replays,
+        }
+        for kind, make in kinds.items():
+            eager: dict[str, list[float]] = {"on": [], "off": []}
+            for it in range(iters):
+                for mode in order if it % 2 == 0 else order[::-1]:
+                    routes = make()
+                    self.attach(mode == "on")
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    self.pool_step(x, routes)
+                    torch.cuda.synchronize()
+                    eager[mode].append(time.perf_counter() - t0)
+
+            feed = [make() for _ in range(FEED_ROUTES)]
+            static = [(ids.clone(), w.clone()) for ids, w in feed[0]]
+            graphs = {}
+            for mode in order:
+                self.attach(mode == "on")
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.pool_step(x, static)  # eager warm-up before capture
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    self.pool_step(x, static)
+                graphs[mode] = graph
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            replayed: dict[str, list[float]] = {"on": [], "off": []}
+            step = 0
+            for sample in range(iters):
+                for mode in order if sample % 2 == 0 else order[::-1]:
+                    start.record()
+                    for _ in range(replays):
+                        for (ids, w), (new_ids, new_w) in zip(
+                            static, feed[step % FEED_ROUTES], strict=True
+                        ):
+                            ids.copy_(new_ids)
+                            w.copy_(new_w)
+                        graphs[mode].replay()
+                        step += 1
+                    end.record()
+                    end.synchronize()
+                    replayed[mode].append(start.elapsed_time(end) / 1e3 / replays)
+            graphs.clear()
+            out[kind] = {"graphs": medians(replayed), "eager": medians(eager)}
+        self.attach(True)
+        # The goal: graph replays, both kinds of routes; the larger deviation counts.
+        ratios = [out[kind]["graphs"]["on_over_off"] for kind in kinds]
+        out["on_over_off"] = max(ratios, key=lambda r: abs(r - 1))
+        out["decode_calls_checked"] = all(layer.decode_calls > 0 for layer in self.pool.layers)
+        return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -505,6 +605,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "row_bytes": rp.row_bytes,
         "expert_bytes": sum(rp.row_bytes.values()),
         "pinned_host_gib": rp.pinned_gib,
+        "host_sets": len(rp.host_sets),
         "bank_gib": rp.pool.geometry.total_bytes / GIB,
         "staging_buffers": rp.stager.num_buffers,
         "staging_buffer_gib": rp.stager.buffer_bytes / GIB,
@@ -541,9 +642,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         entry: dict[str, Any] = {"tokens": tokens, "main": tokens in args.steps}
         if tokens in args.steps:
             if resident is None:
-                resident = [
-                    {n: t.to("cuda") for n, t in layer.sources.items()} for layer in rp.pool.layers
-                ]
+                resident = rp.resident_sets()
             entry["resident"] = timed(
                 functools.partial(rp.resident_step, x, routes, resident), args.reps
             )
@@ -625,7 +724,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratios": comparisons,
     }
 
-    data["decode"] = rp.decode(args.decode_iters)
+    data["decode"] = rp.decode(args.decode_iters, args.decode_replays)
 
     # Goals.
     goals = []
@@ -717,10 +816,13 @@ def print_table(data: dict[str, Any]) -> None:
             else f"  {c['what']:<44} seed {c['seed']:.2f}  ours n/a"
         )
     d = data["decode"]
-    print(
-        f"decode {d['tokens']} tokens: on {d['on_median_ms']:.3f} ms, "
-        f"off {d['off_median_ms']:.3f} ms"
-    )
+    for kind in ("uniform", "all_hits"):
+        for how in ("graphs", "eager"):
+            m = d[kind][how]
+            print(
+                f"decode {d['tokens']} tokens, {kind} routes ({how}): "
+                f"on {m['on_median_ms']:.3f} ms, off {m['off_median_ms']:.3f} ms"
+            )
     c = data["correctness"]
     print(
         f"staged vs host view: bitwise {c['bitwise_equal']} (reference repeatable "
@@ -737,7 +839,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--quick", action="store_true", help="4 layers, 4608 only, fewer reps")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=42,
+        help="MoE layers (default: the seed model's pooled layers as inferred in SERIES.md)",
+    )
+    parser.add_argument(
+        "--host-sets",
+        type=int,
+        default=8,
+        help="distinct pinned expert sets, shared round robin by the layers",
+    )
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--rows", type=int, default=192, help="pool rows per layer")
     parser.add_argument("--steps", type=int, nargs="+", default=[4096, 4608, 8192])
@@ -745,7 +858,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--min-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=8)
-    parser.add_argument("--decode-iters", type=int, default=200)
+    parser.add_argument("--decode-iters", type=int, default=50, help="decode samples per mode")
+    parser.add_argument("--decode-replays", type=int, default=5, help="graph replays per sample")
     parser.add_argument("--shuffle-rounds", type=int, default=12)
     parser.add_argument("--check-tokens", type=int, default=32)
     parser.add_argument("--bw-bytes", type=int, default=1 << 30)

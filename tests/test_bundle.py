@@ -17,6 +17,7 @@ import platform
 import struct
 import sys
 import tarfile
+import time
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -570,6 +571,8 @@ def test_device_run_installs_runs_pytest_and_reports_skips_and_failures(
             "--skip-smoke",
             "--replay",
             "-c 'import tinydep, sys; sys.exit(tinydep.VALUE - 7)'",
+            "--time-limit",
+            "600",
         ]
     )
     assert results.validate(out / "results.json") == []  # the project's result schema
@@ -590,6 +593,10 @@ def test_device_run_installs_runs_pytest_and_reports_skips_and_failures(
     assert (prefix / "py" / "vllm-1.0.0.dist-info" / "METADATA").exists()
     assert (prefix / "py" / bundle.KERNEL_LIBRARIES[0]).exists()
     assert (prefix / "site" / "tinydep" / "__init__.py").exists()
+    # byte-compiled once at install: the children run with PYTHONDONTWRITEBYTECODE
+    tag = sys.implementation.cache_tag
+    assert (prefix / "site" / "tinydep" / "__pycache__" / f"__init__.{tag}.pyc").exists()
+    assert list((prefix / "py" / "vllm").glob(f"**/__pycache__/*.{tag}.pyc"))
     assert data["smoke"]["status"] == "not-run"
     py = data["pytest"]
     assert (py["passed"], py["failed"], py["errors"], py["skipped"]) == (1, 1, 0, 1)
@@ -659,6 +666,26 @@ def test_device_run_refuses_a_tampered_bundle_and_a_foreign_prefix(
     record = json.loads((tmp_path / "r2" / "results.json").read_text())["data"]
     assert code == 1 and record["install"]["status"] == "failed"
     assert "tinydep" in record["install"]["error"] and record["smoke"]["status"] == "not-run"
+
+
+def test_environment_puts_the_bundle_first_and_turns_off_the_flashinfer_sampler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    provenance = {"contents": {"kernels": [{"name": "kernels/ns/lib.so", "namespace": "ns"}]}}
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    env = device_run.environment(tmp_path / "p", tmp_path / "o", provenance)
+    assert env["PYTHONPATH"].split(":") == [
+        str(tmp_path / "p" / "py"),
+        str(tmp_path / "p" / "site"),
+        "/elsewhere",
+    ]
+    assert env["VLLM_BUNDLE_EXTRA_KERNELS"] == str(tmp_path / "p" / "py" / "kernels/ns/lib.so")
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # FlashInfer does not travel
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # a host that has it
+    assert (
+        device_run.environment(tmp_path, tmp_path, provenance)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    )
 
 
 def test_device_run_repeats_the_result_schema_of_harness_results() -> None:
@@ -750,3 +777,23 @@ def test_device_run_interrupts_at_the_time_limit(tmp_path: Path) -> None:
     )
     assert timed_out and code != 0
     assert "start" in log.getvalue() and "time limit" in log.getvalue()
+
+
+def test_replays_share_the_time_limit(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin"}
+    sleeper = "-c 'import time; time.sleep(60)'"
+    started = time.monotonic()
+    records = device_run.run_replays(
+        env, tmp_path, ["-c pass", sleeper, "-c pass"], timeout=600, deadline=started + 3
+    )
+    assert time.monotonic() - started < 40  # cut at the deadline, not at the 600 s timeout
+    assert [r["status"] for r in records] == ["passed", "timed-out", "timed-out"]
+    assert records[1]["log"] == "replay-2.log" and records[1]["exit_code"] != 0
+    assert records[2] == {
+        "command": "-c pass",
+        "exit_code": None,
+        "status": "timed-out",
+        "seconds": 0.0,
+        "note": "not started: no time left",
+    }
+    assert not (tmp_path / "replay-3.log").exists()

@@ -251,6 +251,21 @@ def test_b12x_profile_gives_the_design_note_commands() -> None:
     assert "--moe-backend marlin" in shlex.join(profile.options("kv-marlin").argv())
 
 
+def test_tiny_profile_runs_triton_attention_and_the_pool_arm() -> None:
+    profile = replay.load_profiles()["tiny-synthetic"]
+    head = "CKPT --tensor-parallel-size 1 --moe-backend marlin --attention-backend TRITON_ATTN"
+    tail = (
+        " --max-model-len 8192 --max-num-seqs 4 --max-num-batched-tokens 2048"
+        " --gpu-memory-utilization 0.3"
+        ' --compilation-config \'{"cudagraph_mode": "FULL_DECODE_ONLY"}\''
+    )
+    assert shlex.join(profile.options("default").argv("CKPT")) == head + tail
+    assert shlex.join(profile.options("pool").argv("CKPT")) == (
+        head + " --moe-expert-pool-rows 4" + tail
+    )
+    assert profile.plan("ttft").arms == ("default", "pool")
+
+
 def test_every_profile_loads_and_names_existing_arms() -> None:
     profiles = replay.load_profiles()
     assert {"glm53-tp2", "b12x-qwen36", "tiny-synthetic"} <= set(profiles)
@@ -340,6 +355,35 @@ def test_dry_run_prints_every_command_and_runs_nothing(
     assert not out.exists()
 
 
+def test_vllm_command_runs_serve_and_bench(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness.__main__ import main
+
+    cli = "python3 -m vllm.entrypoints.cli.main"
+    argv = ["replay", "ttft", "--profile", "tiny-synthetic", "--dry-run", "--out", str(tmp_path)]
+    assert main([*argv, "--vllm-command", cli]) == 0
+    commands = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
+    serves = [ln for ln in commands if ln.startswith(f"{cli} serve ")]
+    benches = [ln for ln in commands if ln.startswith(f"{cli} bench serve ")]
+    assert len(serves) == 2 and len(benches) == 2 * 2 * (1 + 2)
+    assert len(commands) == len(serves) + len(benches)
+
+
+def test_python_of_a_venv_is_not_resolved_out_of_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harness.__main__ import main
+
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)  # as `python -m venv` makes it
+    argv = ["replay", "oom", "--profile", "tiny-synthetic", "--dry-run", "--out", str(tmp_path)]
+    assert main([*argv, "--python", str(python)]) == 0
+    serve = capsys.readouterr().out.splitlines()[-1]
+    assert serve.startswith(f"{python.parent / 'vllm'} serve ")
+
+
 def test_dry_run_of_the_tiny_profile_names_the_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -352,7 +396,10 @@ def test_dry_run_of_the_tiny_profile_names_the_checkpoint(
 # --- the runner against the fake server ---------------------------------------------------------
 
 
-def test_ttft_run_writes_valid_results_and_stops_the_server(fake: Path, tmp_path: Path) -> None:
+def test_ttft_run_writes_valid_results_and_stops_the_server(
+    fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     out = tmp_path / "out"
     runner = _runner(
         fake, out, "ttft", nvml=FakeNvml(), provenance=results.provenance, sample_interval_s=0.002
@@ -390,6 +437,8 @@ def test_ttft_run_writes_valid_results_and_stops_the_server(fake: Path, tmp_path
     assert prov["bench_argv"][prov["bench_argv"].index("--seed") + 1] == "6"
     assert data["bench_seed"] == 6
     assert prov["base"]["version"] == "0.33.0"  # real provenance from patches/base.toml
+    assert prov["env"]["TORCH_COMPILE_DISABLE"] == "1"  # inherited switches are recorded
+    assert "PATH" not in prov["env"] and "HOME" not in prov["env"]
     nvml = data["nvml"]
     assert nvml["available"] and nvml["samples"]
     assert nvml["summary"]["0"]["power_w_mean"] == 180.0
@@ -564,6 +613,11 @@ def test_phases_split_samples_by_request_windows() -> None:
         replay.summarize_samples(replay.in_windows(samples, windows["decode"]))["0"]["power_w_mean"]
         == 12.0
     )
+
+
+def test_server_env_keeps_only_switches_that_change_a_server() -> None:
+    environ = {"PATH": "/bin", "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1", "X": "y"}
+    assert replay.server_env(environ) == {"HF_HUB_OFFLINE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def test_load_nvml_returns_none_without_bindings(monkeypatch: pytest.MonkeyPatch) -> None:
