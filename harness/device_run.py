@@ -32,7 +32,8 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
    JUnit XML. A time limit interrupts pytest (SIGINT), which still writes the
    XML of what ran.
 4. **replays**: each ``--replay`` command runs under the same environment with
-   its output in ``<out>/replay-N.log``; ``VLLM_BUNDLE_OUT`` names ``<out>``.
+   its output in ``<out>/replay-N.log``; ``VLLM_BUNDLE_OUT`` names ``<out>``
+   and ``VLLM_BUNDLE_TREE_COMMIT`` the bundle's vLLM tree commit.
    ``--time-limit`` bounds the whole run: a replay's timeout is cut to what is
    left of it, so the last one ends (and ``results.json`` is written) before
    the device call's own limit.
@@ -192,6 +193,10 @@ def install(bundle: Path, prefix: Path, log: Callable[[str], object]) -> dict[st
     return {"status": PASSED, "seconds": round(time.time() - start, 1), "wheels": len(wheels)}
 
 
+#: Names the vLLM tree commit of the bundle in the environment of replays.
+BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
+
+
 def environment(prefix: Path, out: Path, provenance: dict[str, Any]) -> dict[str, str]:
     """The environment the smoke check, pytest and replays run in."""
     env = dict(os.environ)
@@ -209,6 +214,11 @@ def environment(prefix: Path, out: Path, provenance: dict[str, Any]) -> dict[str
         VLLM_BUNDLE_OUT=str(out),
         VLLM_BUNDLE_EXTRA_KERNELS=os.pathsep.join(extra),
     )
+    tree = provenance.get("tree", {}).get("commit")
+    if tree:
+        # Replays record it as their tree_commit (harness.results): on this host
+        # the code under test is the bundle's tree, not a built wheel.
+        env[BUNDLE_TREE_ENV] = str(tree)
     # Marlin MoE reaches sm_90 as PTX; let the driver cache the JIT output
     # beyond its 256 MiB default so repeated runs on a warm host reuse it.
     env.setdefault("CUDA_CACHE_MAXSIZE", str(4 << 30))

@@ -28,6 +28,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from harness.device_run import BUNDLE_TREE_ENV
 from harness.project import HarnessError, Project, nvidia_smi
 
 SCHEMA = 1
@@ -65,6 +66,10 @@ def _series(project: Project) -> dict[str, str]:
         built = json.loads(build_json.read_text())
         info["wheel_sha256"] = built["wheel_sha256"]
         info["tree_commit"] = built["tree_commit"]
+    elif os.environ.get(BUNDLE_TREE_ENV):
+        # Under device_run.py: no wheel, the device bundle's tree is what runs.
+        info["tree_commit"] = os.environ[BUNDLE_TREE_ENV]
+        info["vllm_from"] = "device bundle"
     return info
 
 

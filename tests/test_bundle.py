@@ -671,7 +671,10 @@ def test_device_run_refuses_a_tampered_bundle_and_a_foreign_prefix(
 def test_environment_puts_the_bundle_first_and_turns_off_the_flashinfer_sampler(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    provenance = {"contents": {"kernels": [{"name": "kernels/ns/lib.so", "namespace": "ns"}]}}
+    provenance = {
+        "contents": {"kernels": [{"name": "kernels/ns/lib.so", "namespace": "ns"}]},
+        "tree": {"commit": "abc123"},
+    }
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     env = device_run.environment(tmp_path / "p", tmp_path / "o", provenance)
@@ -682,6 +685,7 @@ def test_environment_puts_the_bundle_first_and_turns_off_the_flashinfer_sampler(
     ]
     assert env["VLLM_BUNDLE_EXTRA_KERNELS"] == str(tmp_path / "p" / "py" / "kernels/ns/lib.so")
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # FlashInfer does not travel
+    assert env[device_run.BUNDLE_TREE_ENV] == "abc123"
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # a host that has it
     assert (
         device_run.environment(tmp_path, tmp_path, provenance)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"

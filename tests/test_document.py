@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness import document, results, series
+from harness import device_run, document, results, series
 from harness.project import HarnessError
 
 
@@ -51,6 +51,22 @@ def test_result_files_carry_provenance(project, tmp_path):
     assert results.validate(path) == [f"{path}: provenance lacks gpu"]
     with pytest.raises(HarnessError, match="lacks"):
         results.write(tmp_path / "s.json", "demo", {}, {"command": "x"})
+
+
+def test_provenance_names_the_code_under_test(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SERIES_WORK", str(tmp_path / "work"))  # no built wheel here
+    monkeypatch.delenv(device_run.BUNDLE_TREE_ENV, raising=False)
+    assert "tree_commit" not in results.provenance("x")
+    monkeypatch.setenv(device_run.BUNDLE_TREE_ENV, "abc123")  # as device_run.py sets it
+    prov = results.provenance("x")
+    assert prov["tree_commit"] == "abc123" and prov["vllm_from"] == "device bundle"
+    assert "wheel_sha256" not in prov
+    (tmp_path / "work" / "dist").mkdir(parents=True)
+    (tmp_path / "work" / "dist" / "build.json").write_text(
+        json.dumps({"wheel_sha256": "w", "tree_commit": "t"})
+    )
+    prov = results.provenance("x")  # a built wheel wins: it is what the harness venv runs
+    assert (prov["wheel_sha256"], prov["tree_commit"]) == ("w", "t") and "vllm_from" not in prov
 
 
 def test_claims_table_reads_our_value_from_the_result(project):
