@@ -181,6 +181,45 @@ def reference_misses(pool: Any, routes: Any, weights: Any) -> dict[str, float]:
     }
 
 
+def capture_graph(step_fn: Any) -> Any:
+    """A CUDA graph of ``step_fn``, after one eager warm-up on the capture stream
+    (Triton compiles its kernels there). ``scripts/staging_replay.py`` uses it too."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step_fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step_fn()
+    return graph
+
+
+def resident_moe(x: Any, experts: dict[str, Any], weights: Any, ids: Any, num_experts: int) -> Any:
+    """Stock ``fused_marlin_moe`` over one layer whose experts are all on the GPU
+    (the all-resident baseline; ``scripts/staging_replay.py`` uses it too)."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+    from vllm.scalar_type import scalar_types
+
+    return fused_marlin_moe(
+        x,
+        experts["w13_weight"],
+        experts["w2_weight"],
+        None,
+        None,
+        experts["w13_weight_scale"],
+        experts["w2_weight_scale"],
+        weights,
+        ids,
+        quant_type_id=scalar_types.float4_e2m1f.id,
+        global_num_experts=num_experts,
+        global_scale1=experts["w13_weight_scale_2"],
+        global_scale2=experts["w2_weight_scale_2"],
+    )
+
+
 def time_graph(graph: Any, feed: Any, steps: int, warmup: int) -> list[float]:
     """Milliseconds per replay for ``steps`` steps after ``warmup`` steps."""
     import torch
@@ -309,10 +348,6 @@ def breakdown_case(
 def run_case(args: argparse.Namespace, batch: int, experts: dict[str, Any]) -> Any:
     import torch
     from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
-    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import (
-        fused_marlin_moe,
-    )
-    from vllm.scalar_type import scalar_types
 
     layers = args.layers
     total = args.warmup + args.steps
@@ -323,40 +358,15 @@ def run_case(args: argparse.Namespace, batch: int, experts: dict[str, Any]) -> A
     slots = min(args.rows, EXPERTS - 1)
     results: dict[str, Any] = {}
 
-    def capture(step_fn: Any) -> Any:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step_fn()  # eager warm-up (Triton compile, gate still closed)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step_fn()
-        return graph
-
     # Baseline: every expert resident, one device copy per layer.
     resident = [{k: v.clone() for k, v in experts.items()} for _ in range(layers)]
 
     def resident_step() -> None:
         for layer, t in enumerate(resident):
-            fused_marlin_moe(
-                x,
-                t["w13_weight"],
-                t["w2_weight"],
-                None,
-                None,
-                t["w13_weight_scale"],
-                t["w2_weight_scale"],
-                weights,
-                static_ids[layer],
-                quant_type_id=scalar_types.float4_e2m1f.id,
-                global_num_experts=EXPERTS,
-                global_scale1=t["w13_weight_scale_2"],
-                global_scale2=t["w2_weight_scale_2"],
-            )
+            resident_moe(x, t, weights, static_ids[layer], EXPERTS)
 
     uniform = make_routes("pool_uniform", total, layers, batch, slots, 0, args.seed)
-    graph = capture(resident_step)
+    graph = capture_graph(resident_step)
     times = time_graph(graph, lambda s: static_ids.copy_(uniform[s]), args.steps, args.warmup)
     results["resident"] = summarize(times, layers)
     resident.clear()
@@ -379,7 +389,7 @@ def run_case(args: argparse.Namespace, batch: int, experts: dict[str, Any]) -> A
                 layer.apply(x, weights, static_ids[layer.index])
 
         static_ids.copy_(routes[0])
-        graph = capture(pool_step)
+        graph = capture_graph(pool_step)
         pool.tables.set_gate(True)
         times = time_graph(
             graph, lambda s, r=routes: static_ids.copy_(r[s]), args.steps, args.warmup

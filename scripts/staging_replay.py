@@ -72,7 +72,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from pool_decode_replay import pending_layer  # same folder: sys.path[0]
+from pool_decode_replay import (  # same folder: sys.path[0]
+    capture_graph,
+    pending_layer,
+    resident_moe,
+)
 
 HIDDEN, INTER, TOP_K = 4096, 1024, 8
 GIB = 1 << 30
@@ -354,25 +358,8 @@ class Replay:
         ]
 
     def resident_step(self, x: Any, routes: list[tuple[Any, Any]], resident: list[Any]) -> None:
-        from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
-        from vllm.scalar_type import scalar_types
-
         for t, (ids, w) in zip(resident, routes, strict=True):
-            fused_marlin_moe(
-                x,
-                t["w13_weight"],
-                t["w2_weight"],
-                None,
-                None,
-                t["w13_weight_scale"],
-                t["w2_weight_scale"],
-                w,
-                ids,
-                quant_type_id=scalar_types.float4_e2m1f.id,
-                global_num_experts=self.E,
-                global_scale1=t["w13_weight_scale_2"],
-                global_scale2=t["w2_weight_scale_2"],
-            )
+            resident_moe(x, t, w, ids, self.E)
 
     # -- pieces --------------------------------------------------------------
 
@@ -547,15 +534,7 @@ class Replay:
             graphs = {}
             for mode in order:
                 self.attach(mode == "on")
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self.pool_step(x, static)  # eager warm-up before capture
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=stream):
-                    self.pool_step(x, static)
-                graphs[mode] = graph
+                graphs[mode] = capture_graph(functools.partial(self.pool_step, x, static))
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             replayed: dict[str, list[float]] = {"on": [], "off": []}
