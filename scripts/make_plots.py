@@ -4,7 +4,7 @@
 
 Three pictures, each read from a committed result file (no number is typed in
 here): MoE-only TTFT by staging mode and prompt length
-(results/staging/staging_replay_run2.json), the Marlin bound by bank rows
+(results/staging/staging_replay_run3.json), the Marlin bound by bank rows
 (results/marlin/run1_bound.json and run3_bound.json), and allocated memory by
 MoE layer for one B12x wrapper per layer against one shared wrapper
 (results/b12x/b12x_oom_replay_h200.json). Each PNG's title names its file.
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGING = "results/staging/staging_replay_run2.json"
+STAGING = "results/staging/staging_replay_run3.json"
 BOUND = ("results/marlin/run1_bound.json", "results/marlin/run3_bound.json")
 B12X = "results/b12x/b12x_oom_replay_h200.json"
 GIB = 1 << 30
