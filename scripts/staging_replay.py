@@ -299,7 +299,15 @@ def chunks(prompt: int, step: int) -> list[int]:
 
 
 class Replay:
-    def __init__(self, args: argparse.Namespace) -> None:
+    """The pooled layer stack of a replay and the measurements on it.
+
+    ``args`` are this script's options; ``weight_seed`` (default
+    ``args.seed``) seeds the expert weights apart from the routes, so ranks
+    of a tensor-parallel replay (``scripts/pool_tp_replay.py``) hold
+    different shards under the same routes.
+    """
+
+    def __init__(self, args: argparse.Namespace, weight_seed: int | None = None) -> None:
         import torch
         from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
         from vllm.model_executor.layers.fused_moe.expert_pool.stage import STAGER_KEY
@@ -314,7 +322,8 @@ class Replay:
         # timed depends on bytes moved and computed, not on which bytes they are.
         self.host_sets: list[dict[str, Any]] = []
         for k in range(min(args.host_sets, args.layers)):
-            experts = make_layer_experts(self.E, template, args.seed + 1 + k)
+            seed = args.seed if weight_seed is None else weight_seed
+            experts = make_layer_experts(self.E, template, seed + 1 + k)
             self.host_sets.append({name: pinned_copy(t) for name, t in experts.items()})
             del experts
         layers = [
