@@ -191,7 +191,7 @@ def parser() -> argparse.ArgumentParser:
         "--kernel",
         action="append",
         default=[],
-        metavar="NAMESPACE=PATH",
+        metavar="PATH:NAMESPACE",
         help="a kernel library from `harness kernels` to carry (repeatable)",
     )
     add(

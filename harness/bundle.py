@@ -161,11 +161,12 @@ class ExtraKernel:
 
     @classmethod
     def parse(cls, value: str) -> ExtraKernel:
-        """Parse ``NAMESPACE=PATH`` (the CLI form)."""
-        namespace, sep, path = value.partition("=")
+        """Parse ``PATH:NAMESPACE``, the form ``scripts/marlin_*.py`` and the series'
+        ``VLLM_TEST_MARLIN_MOE_LIB`` take too."""
+        path, sep, namespace = value.rpartition(":")
         if not sep or not namespace.isidentifier() or not path:
             raise HarnessError(
-                f"expected NAMESPACE=PATH for an extra kernel library, got {value!r}"
+                f"expected PATH:NAMESPACE for an extra kernel library, got {value!r}"
             )
         return cls(Path(path).resolve(), namespace)
 

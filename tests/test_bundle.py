@@ -531,13 +531,13 @@ def test_build_refuses_a_foreign_output_folder(ready: Project, tmp_path: Path) -
 def test_build_carries_extra_kernels_with_their_namespace(ready: Project, tmp_path: Path) -> None:
     extra = tmp_path / "libmarlin_series.so"
     extra.write_bytes(elf_library(fatbin_blob([SM90_CUBIN, SM80_CUBIN])))
-    kernel = bundle.ExtraKernel.parse(f"marlin_series={extra}")
+    kernel = bundle.ExtraKernel.parse(f"{extra}:marlin_series")
     prov = build(ready, tmp_path, extra_kernels=[kernel]).provenance
     record = prov["contents"]["kernels"][-1]  # type: ignore[index]
     assert record["namespace"] == "marlin_series"
     assert record["name"] == "kernels/marlin_series/libmarlin_series.so"
     assert record["pruned"]["zeroed_images"] == 1
-    with pytest.raises(HarnessError, match="NAMESPACE=PATH"):
+    with pytest.raises(HarnessError, match="PATH:NAMESPACE"):
         bundle.ExtraKernel.parse("just-a-path.so")
 
 
