@@ -181,6 +181,29 @@ def reference_misses(pool: Any, routes: Any, weights: Any) -> dict[str, float]:
     }
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_result(out: Path, kind: str, data: dict[str, Any], **extra: str) -> Path:
+    """Write ``out/<kind>.json`` in the harness result schema, with the vLLM
+    import and the GPU in its provenance (the replay scripts share it)."""
+    import torch
+    import vllm
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from harness import results as harness_results
+
+    prov = harness_results.provenance(
+        [Path(sys.executable).name, *sys.argv],
+        vllm_version=str(vllm.__version__),
+        vllm_path=str(Path(vllm.__file__).parent),
+        gpu_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        **extra,
+    )
+    return harness_results.write(out / f"{kind}.json", kind, data, prov)
+
+
 def capture_graph(step_fn: Any) -> Any:
     """A CUDA graph of ``step_fn``, after one eager warm-up on the capture stream
     (Triton compiles its kernels there). ``scripts/staging_replay.py`` uses it too."""
@@ -434,11 +457,7 @@ def main() -> int:
 
         if not hasattr(PoolLayer, "plan_step"):
             sys.exit("--breakdown needs the pool with PoolLayer.plan_step (fused planner)")
-    import torch
-    import vllm
     from vllm.config import VllmConfig, set_current_vllm_config
-
-    from harness import results as harness_results
 
     started = time.monotonic()
     with set_current_vllm_config(VllmConfig()):
@@ -459,15 +478,7 @@ def main() -> int:
         "cases": cases,
         "seconds": round(time.monotonic() - started, 1),
     }
-    prov = harness_results.provenance(
-        [Path(sys.executable).name, *sys.argv],
-        vllm_version=str(vllm.__version__),
-        vllm_path=str(Path(vllm.__file__).parent),
-        gpu_name=torch.cuda.get_device_name(),
-    )
-    path = harness_results.write(
-        args.out / "pool_decode_replay.json", "pool_decode_replay", data, prov
-    )
+    path = write_result(args.out, "pool_decode_replay", data)
     print(f"wrote {path}")
     for batch, case in cases.items():
         for kind, entry in case.items():

@@ -30,7 +30,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from staging_replay import HIDDEN, Replay, uniform_routes  # same folder: sys.path[0]
+from pool_decode_replay import write_result  # same folder: sys.path[0]
+from staging_replay import HIDDEN, Replay, uniform_routes
 
 STATE = ("hot", "owner", "stamp", "clock", "gate", "error")
 
@@ -181,12 +182,7 @@ def main() -> int:
     parser.add_argument("--min-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    import torch
-    import vllm
     from vllm.config import VllmConfig, set_current_vllm_config
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from harness import results as harness_results
 
     data: dict[str, Any]
     try:
@@ -202,15 +198,7 @@ def main() -> int:
         }
     except Exception as exc:
         data = {"failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    prov = harness_results.provenance(
-        [Path(sys.executable).name, *sys.argv],
-        vllm_version=str(vllm.__version__),
-        vllm_path=str(Path(vllm.__file__).parent),
-        gpu_name=torch.cuda.get_device_name(),
-    )
-    path = harness_results.write(
-        args.out / "pool_tables_determinism.json", "pool_tables_determinism", data, prov
-    )
+    path = write_result(args.out, "pool_tables_determinism", data)
     print(f"wrote {path}")
     if "failed" in data:
         print(data["traceback"])

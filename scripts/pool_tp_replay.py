@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from pool_decode_replay import resident_moe  # same folder: sys.path[0]
+from pool_decode_replay import resident_moe, write_result  # same folder: sys.path[0]
 from staging_replay import (
     HIDDEN,
     Replay,
@@ -311,21 +311,9 @@ def goals(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def write(args: argparse.Namespace, data: dict[str, Any]) -> None:
-    import torch
-    import vllm
-
-    from harness import results as harness_results
-
     data["goals"] = goals(data)
     data["setup"] = {**vars(args), "out": str(args.out)}
-    prov = harness_results.provenance(
-        [Path(sys.executable).name, *sys.argv],
-        vllm_version=str(vllm.__version__),
-        vllm_path=str(Path(vllm.__file__).parent),
-        gpu_name=torch.cuda.get_device_name(),
-        world_size=str(args.world),
-    )
-    path = harness_results.write(args.out / "pool_tp_replay.json", "pool_tp_replay", data, prov)
+    path = write_result(args.out, "pool_tp_replay", data, world_size=str(args.world))
     print(f"wrote {path}")
     summary(data)
 
@@ -383,7 +371,6 @@ def main() -> int:
 
     if torch.cuda.device_count() < args.world:
         sys.exit(f"needs {args.world} GPUs, this host has {torch.cuda.device_count()}")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the harness, for results
     mp.spawn(worker, args=(args.world, args, args.port), nprocs=args.world, join=True)
     return 0
 

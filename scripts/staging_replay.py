@@ -76,6 +76,7 @@ from pool_decode_replay import (  # same folder: sys.path[0]
     capture_graph,
     pending_layer,
     resident_moe,
+    write_result,
 )
 
 HIDDEN, INTER, TOP_K = 4096, 1024, 8
@@ -861,11 +862,7 @@ def main() -> int:
         args.shuffle_rounds = 6
         args.bw_bytes = 512 << 20
     _need_stage()
-    import torch
-    import vllm
     from vllm.config import VllmConfig, set_current_vllm_config
-
-    from harness import results as harness_results
 
     data: dict[str, Any]
     with set_current_vllm_config(VllmConfig()):
@@ -873,13 +870,7 @@ def main() -> int:
             data = run(args)
         except Exception as exc:
             data = {"failed": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    prov = harness_results.provenance(
-        [Path(sys.executable).name, *sys.argv],
-        vllm_version=str(vllm.__version__),
-        vllm_path=str(Path(vllm.__file__).parent),
-        gpu_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-    )
-    path = harness_results.write(args.out / "staging_replay.json", "staging_replay", data, prov)
+    path = write_result(args.out, "staging_replay", data)
     print(f"wrote {path}")
     if "failed" in data:
         print(data["traceback"])
