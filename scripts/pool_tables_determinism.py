@@ -131,7 +131,6 @@ def run(
                     "round": round_,
                     "layer": layer.index,
                     "same_routes": bool(torch.equal(ids.cpu(), first[k][0])),
-                    "tables_before_same": k == 0 or key(before) == key(first[k - 1][1]),
                     "first_vs_this": diff(first[k][1], after),
                 }
                 probe = replan(rp, layer, before, ids, w, args.replans)
@@ -210,8 +209,7 @@ def main() -> int:
         replans = found["replan"]
         print(
             f"run {index}: first differs at step {found['step']} (round {found['round']}, "
-            f"layer {found['layer']}), same routes {found['same_routes']}, tables before "
-            f"the same {found['tables_before_same']}; differing "
+            f"layer {found['layer']}), same routes {found['same_routes']}; differing "
             f"{ {n: d['entries_differing'] for n, d in found['first_vs_this'].items()} }; "
             f"{replans['replans']} replans of that step gave {replans['distinct_outcomes']} "
             f"outcome(s) {replans['outcome_counts']}, reference matches "

@@ -322,8 +322,8 @@ class Replay:
         # Distinct pinned expert sets, shared round robin by the layers: what is
         # timed depends on bytes moved and computed, not on which bytes they are.
         self.host_sets: list[dict[str, Any]] = []
+        seed = args.seed if weight_seed is None else weight_seed
         for k in range(min(args.host_sets, args.layers)):
-            seed = args.seed if weight_seed is None else weight_seed
             experts = make_layer_experts(self.E, template, seed + 1 + k)
             self.host_sets.append({name: pinned_copy(t) for name, t in experts.items()})
             del experts
