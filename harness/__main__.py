@@ -213,8 +213,12 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "with a profile's arm, drive it with `vllm bench serve`, sample NVML, write one "
         "result JSON per run (profiles: harness/data/replay_profiles.toml)",
     )
-    r.add_argument("experiment", choices=["ttft", "decode", "oom", "plot"])
-    r.add_argument("--profile", default="tiny-synthetic", help="profile name")
+    r.add_argument("experiment", choices=["ttft", "decode", "oom", "plot", "e2e"])
+    r.add_argument(
+        "--profile",
+        help="profile name (default tiny-synthetic; e2e: glm-shape-h200, from "
+        "harness/data/e2e_profiles.toml)",
+    )
     r.add_argument("--out", type=_path, help="result folder (default: results/replay/DATE-PROFILE)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     r.add_argument(
@@ -230,6 +234,18 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "vLLM is on PYTHONPATH without a console script (the device bundle)",
     )
     r.add_argument("--port", type=int, help="server port (default: a free one)")
+    e = r.add_argument_group("e2e (the pool against vLLM's UVA and prefetch offload)")
+    e.add_argument("--arms", type=_csv, default=[], help="arms, comma-separated (default all)")
+    e.add_argument("--routers", type=_csv, default=[], help="uniform,skewed (default: profile's)")
+    e.add_argument("--experts", type=int, help="experts per layer (256: the 256-expert variant)")
+    e.add_argument(
+        "--checkpoint",
+        type=_path,
+        help="checkpoint folder, written unless current (default OUT/checkpoint)",
+    )
+    e.add_argument(
+        "--no-spec", action="store_true", help="skip the ngram speculative-decoding servers"
+    )
     c = add(
         "checkpoint",
         _cmd_checkpoint,
@@ -238,6 +254,15 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     c.add_argument("out", type=_path)
     for name in ("layers", "experts", "top_k", "hidden_size", "moe_intermediate_size", "seed"):
         c.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    c.add_argument(
+        "--preset",
+        choices=["glm-shape"],
+        help="the seed's per-GPU expert shape (42 x 128 experts, ~36 GiB), written with numpy in "
+        "parallel, one folder per router under OUT (harness/checkpoint_routed.py)",
+    )
+    c.add_argument(
+        "--routers", type=_csv, default=["uniform", "skewed"], help="with --preset: uniform,skewed"
+    )
     s = add("selftest", _cmd_selftest, "the harness tests that need vLLM (tests/wheel)")
     s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
 
@@ -245,9 +270,32 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
 def _cmd_replay(project: Project, args: argparse.Namespace) -> int:
     from harness import replay
 
+    if args.experiment == "e2e":
+        return _cmd_e2e(project, args)
     return replay.main(
-        project, args.experiment, args.profile, out=args.out, dry_run=args.dry_run,
+        project, args.experiment, args.profile or "tiny-synthetic", out=args.out,
+        dry_run=args.dry_run,
         python=args.python, vllm_command=args.vllm_command, port=args.port, argv=sys.argv[1:],
+    )  # fmt: skip
+
+
+def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
+    import datetime
+
+    from harness import e2e
+
+    profile = args.profile or "glm-shape-h200"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = args.out or project.results / "e2e" / f"{stamp}-{profile}"
+    python = args.python
+    if args.dry_run:
+        python = python or Path("<harness venv>/bin/python")
+    elif python is None:
+        python = test.install_wheel(project, build.built(project))
+    return e2e.main(
+        profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
+        routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
+        speculative=not args.no_spec, dry_run=args.dry_run, argv=sys.argv[1:],
     )  # fmt: skip
 
 
@@ -255,7 +303,20 @@ def _cmd_checkpoint(project: Project, args: argparse.Namespace) -> int:
     from harness import checkpoint
 
     fields = ("layers", "experts", "top_k", "hidden_size", "moe_intermediate_size", "seed")
-    spec = checkpoint.Spec(**{k: getattr(args, k) for k in fields if getattr(args, k) is not None})
+    given = {k: getattr(args, k) for k in fields if getattr(args, k) is not None}
+    if args.preset:
+        import dataclasses
+
+        from harness import checkpoint_routed
+
+        spec = dataclasses.replace(checkpoint_routed.PRESETS[args.preset], **given)
+        try:
+            for folder in checkpoint_routed.write(args.out, spec, args.routers).values():
+                print(folder)
+        except ValueError as exc:
+            raise HarnessError(str(exc)) from exc
+        return 0
+    spec = checkpoint.Spec(**given)
     try:
         print(checkpoint.write(args.out, spec))
     except ValueError as exc:
@@ -267,6 +328,10 @@ def _cmd_selftest(project: Project, args: argparse.Namespace) -> int:
     from harness import selftest
 
     return selftest.run(project, args.pytest_args)
+
+
+def _csv(value: str) -> list[str]:
+    return [item for item in value.split(",") if item]
 
 
 def _path(value: str) -> Path:

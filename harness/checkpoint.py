@@ -71,6 +71,7 @@ class Spec:
     max_position_embeddings: int = 32768
     seed: int = 0
     shard_bytes: int = 4 << 20
+    zipf_s: float = 1.0  # the skewed router's exponent (harness.checkpoint_routed)
 
     def check(self) -> None:
         """Raise ``ValueError`` for shapes the NVFP4 layout cannot express."""
@@ -228,32 +229,65 @@ class _Weights:
         yield f"{prefix}.input_scale", Tensor("F32", (), f32_scalar(self.INPUT_SCALE))
 
 
-def tensors(spec: Spec) -> Iterator[tuple[str, Tensor]]:
-    """Every tensor of the checkpoint, in a fixed order."""
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One entry of the checkpoint's layout, before any value is drawn.
+
+    ``kind`` says how a writer fills it: ``embed``, ``router`` and ``lm_head``
+    are bf16 matrices; ``norm`` is a bf16 vector of ones; ``linear`` (an
+    attention input projection), ``linear_out`` (``o_proj``), ``expert`` (an
+    expert's gate/up projection) and ``expert_out`` (its down projection) are
+    NVFP4 linears of ``shape = (out, in)``, four tensors under the prefix
+    ``name``. Both writers walk the same layout, so they name and shape every
+    tensor alike.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    layer: int = -1
+
+
+LINEAR_KINDS = ("linear", "linear_out", "expert", "expert_out")
+
+
+def layout(spec: Spec) -> Iterator[Part]:
+    """Every entry of the checkpoint, in a fixed order."""
     spec.check()
-    w = _Weights(spec.seed)
     h, inter = spec.hidden_size, spec.moe_intermediate_size
     q_out = spec.num_attention_heads * spec.head_dim
     kv_out = spec.num_key_value_heads * spec.head_dim
-    yield "model.embed_tokens.weight", w.normal((spec.vocab_size, h), 0.02)
+    yield Part("model.embed_tokens.weight", "embed", (spec.vocab_size, h))
     for layer in range(spec.layers):
         p = f"model.layers.{layer}"
-        yield f"{p}.input_layernorm.weight", w.ones(h)
-        yield f"{p}.post_attention_layernorm.weight", w.ones(h)
-        yield f"{p}.self_attn.q_norm.weight", w.ones(spec.head_dim)
-        yield f"{p}.self_attn.k_norm.weight", w.ones(spec.head_dim)
-        yield from w.nvfp4(f"{p}.self_attn.q_proj", q_out, h)
-        yield from w.nvfp4(f"{p}.self_attn.k_proj", kv_out, h)
-        yield from w.nvfp4(f"{p}.self_attn.v_proj", kv_out, h)
-        yield from w.nvfp4(f"{p}.self_attn.o_proj", h, q_out)
-        yield f"{p}.mlp.gate.weight", w.normal((spec.experts, h), 0.02)
+        yield Part(f"{p}.input_layernorm.weight", "norm", (h,), layer)
+        yield Part(f"{p}.post_attention_layernorm.weight", "norm", (h,), layer)
+        yield Part(f"{p}.self_attn.q_norm.weight", "norm", (spec.head_dim,), layer)
+        yield Part(f"{p}.self_attn.k_norm.weight", "norm", (spec.head_dim,), layer)
+        yield Part(f"{p}.self_attn.q_proj", "linear", (q_out, h), layer)
+        yield Part(f"{p}.self_attn.k_proj", "linear", (kv_out, h), layer)
+        yield Part(f"{p}.self_attn.v_proj", "linear", (kv_out, h), layer)
+        yield Part(f"{p}.self_attn.o_proj", "linear_out", (h, q_out), layer)
+        yield Part(f"{p}.mlp.gate.weight", "router", (spec.experts, h), layer)
         for expert in range(spec.experts):
             e = f"{p}.mlp.experts.{expert}"
-            yield from w.nvfp4(f"{e}.gate_proj", inter, h)
-            yield from w.nvfp4(f"{e}.up_proj", inter, h)
-            yield from w.nvfp4(f"{e}.down_proj", h, inter)
-    yield "model.norm.weight", w.ones(h)
-    yield "lm_head.weight", w.normal((spec.vocab_size, h), 0.02)
+            yield Part(f"{e}.gate_proj", "expert", (inter, h), layer)
+            yield Part(f"{e}.up_proj", "expert", (inter, h), layer)
+            yield Part(f"{e}.down_proj", "expert_out", (h, inter), layer)
+    yield Part("model.norm.weight", "norm", (h,))
+    yield Part("lm_head.weight", "lm_head", (spec.vocab_size, h))
+
+
+def tensors(spec: Spec) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of the small checkpoint, drawn in :func:`layout`'s order from one seed."""
+    w = _Weights(spec.seed)
+    for part in layout(spec):
+        if part.kind in LINEAR_KINDS:
+            yield from w.nvfp4(part.name, *part.shape)
+        elif part.kind == "norm":
+            yield part.name, w.ones(part.shape[0])
+        else:
+            yield part.name, w.normal(part.shape, 0.02)
 
 
 # --- safetensors ----------------------------------------------------------------------------------
@@ -412,6 +446,12 @@ def write(out: Path, spec: Spec | None = None) -> Path:
         file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         total += write_safetensors(out / file, items)
         weight_map.update({name: file for name, _ in items})
+    write_documents(out, spec, weight_map, total)
+    return out
+
+
+def write_documents(out: Path, spec: Spec, weight_map: dict[str, str], total: int) -> None:
+    """The JSON files beside the shards: configs, index and tokenizer."""
     documents: dict[str, Any] = {
         "config.json": config(spec),
         "hf_quant_config.json": hf_quant_config(),
@@ -424,4 +464,3 @@ def write(out: Path, spec: Spec | None = None) -> Path:
     }
     for name, document in documents.items():
         (out / name).write_text(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
-    return out

@@ -243,6 +243,7 @@ class BenchRun:
     result_file: str
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
     run: int = 0  # 1.. for measured runs, 0 for a warm-up
+    concurrency: int = 1  # --max-concurrency; the prompts are sent at once
 
 
 def serve_argv(vllm: Sequence[str], options: ServerOptions, model: str, port: int) -> list[str]:
@@ -251,7 +252,7 @@ def serve_argv(vllm: Sequence[str], options: ServerOptions, model: str, port: in
 
 
 def bench_argv(vllm: Sequence[str], model: str, port: int, run: BenchRun) -> list[str]:
-    """The full ``vllm bench serve`` command of one run (one request at a time)."""
+    """The full ``vllm bench serve`` command of one run (``run.concurrency`` requests at a time)."""
     argv = [
         *vllm, "bench", "serve",
         "--backend", "openai",
@@ -265,7 +266,7 @@ def bench_argv(vllm: Sequence[str], model: str, port: int, run: BenchRun) -> lis
         "--random-range-ratio", "0",
         "--random-prefix-len", "0",
         "--num-prompts", str(run.prompts),
-        "--max-concurrency", "1",
+        "--max-concurrency", str(run.concurrency),
         "--request-rate", "inf",
         "--ignore-eos",
         "--temperature", "0",

@@ -1,0 +1,621 @@
+"""Stage 7b: the expert pool against vLLM's own offload backends, end to end.
+
+``python -m harness replay e2e --profile glm-shape-h200`` answers the question a
+user with an NVFP4 MoE model that does not fit asks ("which flag?") and the one
+a maintainer asks before merging an expert cache ("does it hold at prefill, at
+concurrency 32, with speculative decoding?"): every arm of a profile
+(``harness/data/e2e_profiles.toml``) serves the same synthetic checkpoint
+(:mod:`harness.checkpoint_routed`, written on the GPU host) through ``vllm
+serve`` with the same GPU budget for expert weights, and ``vllm bench serve``
+measures, per arm and router:
+
+* TTFT of single requests at the seed's prompt lengths (12.5K and 81.6K tokens);
+* decode tok/s (``1000 / mean TPOT``) at each concurrency, ``concurrency``
+  requests sent at once, ``--ignore-eos`` with a fixed output length;
+* the same with ngram speculative decoding (a second server of the arm), whose
+  acceptance comes from the server's ``/metrics`` counters.
+
+**The budget** is a fraction of the routed-expert bytes. Each arm gets the flags
+that keep that fraction on the GPU (:func:`offload_options`): the pool's rows per
+layer, UVA's GiB (expert parameters only), the prefetch offloader's group layout
+(expert parameters only; layers are its unit, so its resident share is the
+nearest it can reach, ties resolved in its favour). Each server's log gives what
+it really holds (vLLM's model-loading and KV-cache lines, the pool's bank and
+staging lines, the offloaders' own lines): :func:`server_facts` records them.
+
+**An arm that does not start is a result**: its server record says "does not
+run", with the exception from the log and the flags it was given, and the
+other arms go on. A run cut by the time limit leaves every result written
+before it. Results are one JSON per run (:func:`harness.results.write`);
+:func:`summarize` folds a folder of them into ``summary.json`` and
+:func:`plot` draws TTFT by arm and decode tok/s against concurrency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness import checkpoint, checkpoint_routed, replay, results
+from harness.project import HarnessError, progress
+
+PROFILES = Path(__file__).resolve().parent / "data" / "e2e_profiles.toml"
+OFFLOADS = ("none", "pool", "uva", "prefetch")
+
+#: Lines of a server log that say what each arm holds where.
+FACTS = {
+    **replay.LOG_FACTS,
+    "pool_bank_gib": re.compile(r"Expert pool: .*bank ([\d.]+) GiB"),
+    "pool_rows_per_layer": re.compile(
+        r"Expert pool: \d+ layers x \d+ experts, (\d+) rows per layer"
+    ),
+    "pool_staging_buffer_gib": re.compile(r"prefill staging: \d+ x ([\d.]+) GiB device buffers"),
+    "pool_staging_buffers": re.compile(r"prefill staging: (\d+) x [\d.]+ GiB device buffers"),
+    "uva_offloaded_gib": re.compile(r"Total CPU offloaded parameters: ([\d.]+) ?GiB"),
+    "prefetch_saved_gb": re.compile(r"\[PrefetchOffloader\].*GPU memory saved: ([\d.]+) GB"),
+    "prefetch_buffer_gb": re.compile(r"\[PrefetchOffloader\].*Static buffer pool: ([\d.]+) GB"),
+    "prefetch_layers": re.compile(r"\[PrefetchOffloader\] Initialized (\d+) modules"),
+}
+
+
+# --- profiles -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Measure:
+    """What every arm measures (see the profile file's comments)."""
+
+    warmup_input_len: int = 2048
+    ttft_input_lens: tuple[int, ...] = (12500, 81600)
+    decode_input_len: int = 128
+    decode_output_len: int = 256
+    decode_concurrency: tuple[int, ...] = (1, 4, 16, 32)
+    spec_tokens: int = 3
+    spec_concurrency: tuple[int, ...] = (1, 4)
+    ttft_only_arms: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One way of holding the experts: ``offload`` plus its own knobs."""
+
+    name: str
+    offload: str
+    prefill_staging: bool | None = None
+    prefetch_step: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    preset: str
+    routers: tuple[str, ...]
+    budget: float
+    server: Mapping[str, Any]
+    arms: Mapping[str, Arm]
+    measure: Measure
+    startup_timeout_s: float = 600.0
+    bench_timeout_s: float = 600.0
+
+    def checkpoint_spec(self, experts: int | None = None) -> checkpoint.Spec:
+        spec = checkpoint_routed.PRESETS[self.preset]
+        return dataclasses.replace(spec, experts=experts) if experts else spec
+
+
+def load_profiles(path: Path = PROFILES) -> dict[str, Profile]:
+    """Every e2e profile in ``path``, checked (unknown keys, arms and offloads are errors)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise HarnessError(f"cannot read {path}: {exc}") from exc
+    profiles = {}
+    for name, body in data.items():
+        try:
+            fields: dict[str, Any] = {
+                k: tuple(v) if isinstance(v, list) else v for k, v in body["measure"].items()
+            }
+            measure = Measure(**fields)
+            arms = {arm: Arm(arm, **opts) for arm, opts in body["arms"].items()}
+            profile = Profile(
+                name=name,
+                description=body.get("description", ""),
+                preset=body["preset"],
+                routers=tuple(body["routers"]),
+                budget=float(body["budget"]),
+                server=body["server"],
+                arms=arms,
+                measure=measure,
+                startup_timeout_s=float(body.get("startup_timeout_s", 600)),
+                bench_timeout_s=float(body.get("bench_timeout_s", 600)),
+            )
+        except (KeyError, TypeError) as exc:
+            raise HarnessError(f"{path}: profile {name}: {exc}") from exc
+        bad = [a.name for a in arms.values() if a.offload not in OFFLOADS]
+        if bad or profile.preset not in checkpoint_routed.PRESETS or not 0 < profile.budget < 1:
+            raise HarnessError(
+                f"{path}: profile {name}: offload must be one of {OFFLOADS} (arms {bad}), "
+                f"preset one of {sorted(checkpoint_routed.PRESETS)}, budget in (0, 1)"
+            )
+        for router in profile.routers:
+            if router not in checkpoint_routed.ROUTERS:
+                raise HarnessError(f"{path}: profile {name}: unknown router {router!r}")
+        profiles[name] = profile
+    return profiles
+
+
+# --- the budget -----------------------------------------------------------------------------------
+
+
+def prefetch_layout(layers: int, budget: float) -> tuple[int, int, int]:
+    """``(group_size, num_in_group, resident_layers)`` nearest ``budget`` of layers resident.
+
+    vLLM's prefetch offloader offloads the last ``num_in_group`` layers of every
+    group of ``group_size``. Of the layouts whose resident count is nearest
+    ``budget * layers``, the one with more resident layers wins (the
+    alternative is not handicapped), then the smallest group (offloaded layers
+    interleaved with resident ones, whose compute hides their copies).
+    """
+    target = budget * layers
+    best: tuple[float, int, int, int, int] | None = None
+    for group in range(2, layers + 1):
+        for num in range(1, group):
+            offloaded = sum(1 for i in range(layers) if i % group >= group - num)
+            resident = layers - offloaded
+            key = (abs(resident - target), -resident, group, num, resident)
+            if best is None or key < best:
+                best = key
+    assert best is not None
+    return best[2], best[3], best[4]
+
+
+def offload_options(arm: Arm, spec: checkpoint.Spec, budget: float) -> dict[str, Any]:
+    """``ServerOptions`` fields and facts that put ``budget`` of the expert bytes on the GPU."""
+    total = checkpoint_routed.expert_bytes(spec)
+    if arm.offload == "none":
+        return {"fields": {}, "resident_expert_fraction": 1.0}
+    if arm.offload == "pool":
+        rows = round(budget * spec.experts)
+        fields: dict[str, Any] = {"moe_expert_pool_rows": rows}
+        if arm.prefill_staging is not None:
+            fields["prefill_staging"] = arm.prefill_staging
+        return {"fields": fields, "resident_expert_fraction": rows / spec.experts}
+    if arm.offload == "uva":
+        gib = round((1 - budget) * total / 2**30, 3)
+        return {
+            "fields": {
+                "extra_args": ("--cpu-offload-gb", str(gib), "--cpu-offload-params", "experts")
+            },
+            "resident_expert_fraction": 1 - gib * 2**30 / total,
+        }
+    group, num, resident = prefetch_layout(spec.layers, budget)
+    return {
+        "fields": {
+            "extra_args": (
+                "--offload-backend",
+                "prefetch",
+                "--offload-group-size",
+                str(group),
+                "--offload-num-in-group",
+                str(num),
+                "--offload-prefetch-step",
+                str(arm.prefetch_step),
+                "--offload-params",
+                "experts",
+            )
+        },
+        "resident_expert_fraction": resident / spec.layers,
+        "prefetch_buffer_expert_fraction": arm.prefetch_step / spec.layers,
+    }
+
+
+def server_options(
+    profile: Profile, arm: Arm, spec: checkpoint.Spec, speculative: bool
+) -> replay.ServerOptions:
+    fields = {**profile.server, **offload_options(arm, spec, profile.budget)["fields"]}
+    if speculative:
+        fields["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": profile.measure.spec_tokens,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+    return replay.ServerOptions(**fields)
+
+
+def server_facts(log_text: str) -> dict[str, list[float]]:
+    """Every :data:`FACTS` value in a server log (one per worker)."""
+    return {
+        key: [float(v.replace(",", "")) for v in pattern.findall(log_text)]
+        for key, pattern in FACTS.items()
+    }
+
+
+# --- the runner -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Runner:
+    """Every (router, arm) of a profile; all effects go through ``vllm`` and ``results``."""
+
+    profile: Profile
+    out: Path
+    vllm: Sequence[str]
+    models: Mapping[str, str]  # router -> checkpoint folder
+    spec: checkpoint.Spec
+    arms: Sequence[str]
+    routers: Sequence[str]
+    speculative: bool = True
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    dry_run: bool = False
+    nvml: Any | None = None
+    sample_interval_s: float = 0.5
+    provenance: Callable[[], dict[str, Any]] = dataclasses.field(
+        default_factory=lambda: results.provenance
+    )
+    echo: Callable[[str], None] = print
+    written: list[Path] = dataclasses.field(default_factory=list)
+
+    def run(self) -> list[Path]:
+        for router in self.routers:
+            for name in self.arms:
+                arm = self.profile.arms[name]
+                self._session(router, arm, speculative=False)
+                if self.speculative and name not in self.profile.measure.ttft_only_arms:
+                    self._session(router, arm, speculative=True)
+        return self.written
+
+    def _runs(self, router: str, arm: Arm, speculative: bool) -> list[tuple[str, replay.BenchRun]]:
+        m = self.profile.measure
+        raw = self.out / "raw"
+        tag = f"{router}-{arm.name}{'-ngram' if speculative else ''}"
+        meta = {"profile": self.profile.name, "arm": arm.name, "router": router}
+        seeds = iter(range(1, 1000))
+        runs = [("warmup", replay.BenchRun(
+            m.warmup_input_len, 16, 1, next(seeds), raw, f"warmup-{tag}.json", meta
+        ))]  # fmt: skip
+        if not speculative:
+            for n in m.ttft_input_lens:
+                runs.append(("ttft", replay.BenchRun(
+                    n, 16, 1, next(seeds), raw, f"ttft-{tag}-in{n}.json", meta, run=1
+                )))  # fmt: skip
+        if arm.name not in m.ttft_only_arms:
+            for c in m.spec_concurrency if speculative else m.decode_concurrency:
+                runs.append(("decode", replay.BenchRun(
+                    m.decode_input_len, m.decode_output_len, c, next(seeds), raw,
+                    f"decode-{tag}-c{c}.json", meta, run=1, concurrency=c,
+                )))  # fmt: skip
+        return runs
+
+    def _session(self, router: str, arm: Arm, speculative: bool) -> None:
+        options = server_options(self.profile, arm, self.spec, speculative)
+        port = 8000 if self.dry_run else replay.free_port()
+        argv = replay.serve_argv(self.vllm, options, self.models[router], port)
+        tag = f"{router}-{arm.name}{'-ngram' if speculative else ''}"
+        server = replay.Server(argv, port, self.out / "logs" / f"{tag}.server.log", self.env)
+        runs = self._runs(router, arm, speculative)
+        if self.dry_run:
+            self.echo(shlex.join(argv))
+            for _, run in runs:
+                self.echo(shlex.join(replay.bench_argv(self.vllm, self.models[router], port, run)))
+            return
+        budget = offload_options(arm, self.spec, self.profile.budget)
+        budget.pop("fields")
+        common = {
+            "arm": arm.name,
+            "offload": arm.offload,
+            "router": router,
+            "speculative": {"method": "ngram", "tokens": self.profile.measure.spec_tokens}
+            if speculative else None,
+            "budget": {"fraction": self.profile.budget, **budget},
+            "pool_counters": None,
+            "pool_counters_note": "the pool has no user-readable counters in this series yet",
+        }  # fmt: skip
+        started = time.monotonic()
+        with server:
+            state = server.wait_healthy(self.profile.startup_timeout_s)
+            startup_s = round(time.monotonic() - started, 1)
+            text = server.log.read_text(errors="replace") if server.log.exists() else ""
+            record = {
+                **common,
+                "outcome": "runs" if state == "ok" else "does not run",
+                "startup_s": startup_s,
+                "facts": server_facts(text),
+                "server_log": str(server.log),
+            }
+            if state != "ok":
+                outcome, message = replay.classify_failure(text)
+                record.update(state=state, failure=outcome, exception=message,
+                              log_tail=server.log_tail(60))  # fmt: skip
+            self._record(f"server-{tag}", "e2e-server", record, server.argv, None)
+            if state != "ok":
+                progress(f"{tag}: server did not start ({state}); next arm")
+                return
+            before = replay.scrape_spec_decode(server.url) if speculative else None
+            for kind, run in runs:
+                self._bench(kind, run, router, server, common, before)
+
+    def _bench(
+        self,
+        kind: str,
+        run: replay.BenchRun,
+        router: str,
+        server: replay.Server,
+        common: Mapping[str, Any],
+        before: Mapping[str, float] | None,
+    ) -> None:
+        argv = replay.bench_argv(self.vllm, self.models[router], server.port, run)
+        sampler = replay.NvmlSampler(self.nvml, self.sample_interval_s) if self.nvml else None
+        if sampler:
+            sampler.start()
+        progress("$ " + shlex.join(argv))
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            code: int | str = proc.wait(timeout=self.profile.bench_timeout_s)
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        finally:
+            replay.stop_group(proc)
+            samples = sampler.stop() if sampler else []
+        if kind == "warmup":
+            return
+        path = run.result_dir / run.result_file
+        bench = json.loads(path.read_text()) if code == 0 and path.exists() else {}
+        ok = code == 0 and bench.get("completed") == run.prompts and not bench.get("failed")
+        data = {
+            **common,
+            "input_len": run.input_len,
+            "output_len": run.output_len,
+            "concurrency": run.concurrency,
+            "bench_seed": run.seed,
+            "outcome": "ok" if ok else f"failed ({code})",
+            "summary": replay.summarize_bench(bench, run.output_len) if bench else None,
+            "nvml": {
+                "available": self.nvml is not None,
+                "interval_s": self.sample_interval_s,
+                "summary": replay.summarize_samples(samples),
+                "by_phase": {
+                    phase: replay.summarize_samples(replay.in_windows(samples, windows))
+                    for phase, windows in replay.phases(bench).items()
+                } if bench else {},
+            },
+            "bench": bench,
+        }  # fmt: skip
+        if before is not None:
+            after = replay.scrape_spec_decode(server.url)
+            if after is not None:
+                data["spec_decode_since_start"] = replay.spec_decode_delta(before, after)
+        name = run.result_file.removesuffix(".json")
+        self._record(name, f"e2e-{kind}", data, server.argv, argv)
+
+    def _record(
+        self,
+        name: str,
+        kind: str,
+        data: dict[str, Any],
+        server_argv: list[str],
+        bench: list[str] | None,
+    ) -> None:
+        prov = self.provenance()
+        prov["server_argv"] = server_argv
+        prov["bench_argv"] = bench
+        prov["env"] = {**replay.server_env(os.environ), **self.env}
+        record = {"profile": self.profile.name, "checkpoint": dataclasses.asdict(self.spec), **data}
+        path = results.write(self.out / f"{name}.json", kind, record, prov)
+        self.written.append(path)
+        progress(f"wrote {path}")
+
+
+# --- summary and plots ----------------------------------------------------------------------------
+
+
+def _records(folder: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted(folder.glob("*.json")):
+        if path.name == "summary.json":
+            continue
+        record = json.loads(path.read_text())
+        if str(record.get("kind", "")).startswith("e2e-"):
+            out.append(record)
+    return out
+
+
+def summarize(folder: Path) -> dict[str, Any]:
+    """``summary.json``: decode and TTFT rows, the servers' outcomes, and the provenance."""
+    decode, ttft, servers = [], [], []
+    provenance: dict[str, Any] = {}
+    budget = None
+    for record in _records(folder):
+        data = record["data"]
+        provenance = provenance or {
+            k: record["provenance"].get(k)
+            for k in (
+                "gpu",
+                "driver",
+                "torch",
+                "cuda",
+                "vllm",
+                "series_hash",
+                "tree_commit",
+                "base",
+            )
+        }
+        spec_tokens = (data.get("speculative") or {}).get("tokens", 0)
+        if record["kind"] == "e2e-server":
+            budget = budget or data["budget"]["fraction"]
+            servers.append({
+                "arm": data["arm"], "router": data["router"], "spec_tokens": spec_tokens,
+                "outcome": data["outcome"], "startup_s": data["startup_s"],
+                "exception": data.get("exception"), "facts": data["facts"],
+            })  # fmt: skip
+            continue
+        summary = data.get("summary") or {}
+        row = {"arm": data["arm"], "router": data["router"], "outcome": data["outcome"]}
+        if record["kind"] == "e2e-decode":
+            decode.append({**row, "concurrency": data["concurrency"], "spec_tokens": spec_tokens,
+                           "output_len": data["output_len"], "tok_s": summary.get("decode_tok_s"),
+                           "acceptance_rate": (data.get("spec_decode_since_start") or {}).get(
+                               "acceptance_rate")})  # fmt: skip
+        elif record["kind"] == "e2e-ttft":
+            ttft.append(
+                {**row, "input_len": data["input_len"], "ttft_s": summary.get("ttft_s_mean")}
+            )
+    spec = None
+    if budget is not None:
+        first = next(r for r in _records(folder) if r["kind"] == "e2e-server")
+        spec = (
+            checkpoint.Spec(**first["data"]["checkpoint"])
+            if "checkpoint" in first["data"]
+            else None
+        )
+    return {
+        "decode": decode,
+        "ttft": ttft,
+        "servers": servers,
+        "budget_fraction": budget,
+        "budget_gib": round(budget * checkpoint_routed.expert_bytes(spec) / 2**30, 3)
+        if spec and budget
+        else None,
+        "provenance": provenance,
+    }
+
+
+def plot(summary: Mapping[str, Any], folder: Path) -> list[Path]:
+    """``ttft.png`` (TTFT by arm and prompt length) and ``decode.png`` (one panel per router)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ttft = [r for r in summary["ttft"] if r["ttft_s"] is not None]
+    if ttft:
+        routers = sorted({r["router"] for r in ttft})
+        fig, axes = plt.subplots(1, len(routers), figsize=(6 * len(routers), 4), squeeze=False)
+        for ax, router in zip(axes[0], routers, strict=True):
+            rows = [r for r in ttft if r["router"] == router]
+            lens = sorted({r["input_len"] for r in rows})
+            arms = list(dict.fromkeys(r["arm"] for r in rows))
+            width = 0.8 / len(arms)
+            for i, arm in enumerate(arms):
+                xs, ys = [], []
+                for j, n in enumerate(lens):
+                    hit = [r["ttft_s"] for r in rows if r["arm"] == arm and r["input_len"] == n]
+                    if hit:
+                        xs.append(j + (i - (len(arms) - 1) / 2) * width)
+                        ys.append(hit[0])
+                bars = ax.bar(xs, ys, width, label=arm)
+                ax.bar_label(bars, fmt="%.1f", fontsize=7)
+            ax.set_xticks(range(len(lens)), [f"{n:,} tokens" for n in lens])
+            ax.set_ylabel("TTFT (s)")
+            ax.set_title(f"TTFT, {router} router")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(folder / "ttft.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    decode = [r for r in summary["decode"] if r["tok_s"] is not None]
+    if decode:
+        routers = sorted({r["router"] for r in decode})
+        fig, axes = plt.subplots(1, len(routers), figsize=(6 * len(routers), 4), squeeze=False)
+        for ax, router in zip(axes[0], routers, strict=True):
+            rows = [r for r in decode if r["router"] == router]
+            for arm, spec_tokens in dict.fromkeys((r["arm"], r["spec_tokens"]) for r in rows):
+                pts = sorted((r["concurrency"], r["tok_s"]) for r in rows
+                             if r["arm"] == arm and r["spec_tokens"] == spec_tokens)  # fmt: skip
+                label = arm + (f" + ngram {spec_tokens}" if spec_tokens else "")
+                ax.plot(*zip(*pts, strict=True), marker="o", ls="--" if spec_tokens else "-",
+                        label=label)  # fmt: skip
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel("decode tok/s per request (1000 / mean TPOT)")
+            ax.set_title(f"decode, {router} router")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(folder / "decode.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+def main(
+    profile_name: str,
+    out: Path,
+    *,
+    python: Path,
+    vllm_command: Sequence[str] = (),
+    arms: Sequence[str] = (),
+    routers: Sequence[str] = (),
+    experts: int | None = None,
+    checkpoint_dir: Path | None = None,
+    speculative: bool = True,
+    dry_run: bool = False,
+    argv: Sequence[str] = (),
+) -> int:
+    """``python -m harness replay e2e``: see the module docstring."""
+    profiles = load_profiles()
+    if profile_name not in profiles:
+        raise HarnessError(f"unknown e2e profile {profile_name!r}; known: {', '.join(profiles)}")
+    profile = profiles[profile_name]
+    arms = list(arms) or list(profile.arms)
+    routers = list(routers) or list(profile.routers)
+    unknown = [a for a in arms if a not in profile.arms] + [
+        r for r in routers if r not in checkpoint_routed.ROUTERS
+    ]
+    if unknown:
+        raise HarnessError(
+            f"profile {profile_name}: unknown {unknown}; arms: {', '.join(profile.arms)}; "
+            f"routers: {', '.join(checkpoint_routed.ROUTERS)}"
+        )
+    spec = profile.checkpoint_spec(experts)
+    ckpt = checkpoint_dir or out / "checkpoint"
+    models = {router: str(ckpt / router) for router in routers}
+    vllm = list(vllm_command) or [str(python.parent / "vllm")]
+    runner = Runner(profile, out, vllm, models, spec, arms, routers, speculative, dry_run=dry_run)
+    gib = checkpoint_routed.expert_bytes(spec) / 2**30
+    if dry_run:
+        print(f"# {profile.description}")
+        print(
+            f"# experts {gib:.2f} GiB; budget {profile.budget:.0%} = {profile.budget * gib:.2f} GiB"
+        )
+        for name in arms:
+            facts = offload_options(profile.arms[name], spec, profile.budget)
+            facts.pop("fields")
+            print(f"# {name}: {json.dumps(facts)}")
+        print(f"# python -m harness checkpoint {ckpt} --preset {profile.preset}"
+              f" --routers {','.join(routers)}")  # fmt: skip
+        runner.run()
+        return 0
+    checkpoint_routed.write(ckpt, spec, routers, echo=progress)
+    runner.nvml = replay.load_nvml()
+    versions = replay.server_versions(python)
+
+    def prov() -> dict[str, Any]:
+        record = results.provenance(["python", "-m", "harness", *argv] if argv else None)
+        record.update(torch=versions["torch"], cuda=versions["cuda"], vllm=versions["vllm"])
+        return record
+
+    runner.provenance = prov
+    runner.run()
+    summary = summarize(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    try:
+        for png in plot(summary, out):
+            print(png)
+    except ImportError:
+        progress("no matplotlib here: summary.json is written, plots are not")
+    print(out / "summary.json")
+    return 0
