@@ -99,6 +99,20 @@ def expert_bytes(spec: Spec) -> int:
     return spec.layers * spec.experts * per_expert
 
 
+def other_bytes(spec: Spec) -> int:
+    """Bytes of every tensor but the routed experts (attention, norms, routers, embeddings)."""
+    total = 0
+    for part in checkpoint.layout(spec):
+        if part.kind in ("expert", "expert_out"):
+            continue
+        n = math.prod(part.shape)
+        if part.kind in LINEAR_KINDS:
+            total += n // 2 + n // checkpoint.GROUP_SIZE + 8  # weight, block scales, two scalars
+        else:
+            total += 2 * n
+    return total
+
+
 # --- values ---------------------------------------------------------------------------------------
 
 

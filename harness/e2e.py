@@ -60,7 +60,7 @@ FACTS = {
     ),
     "pool_staging_buffer_gib": re.compile(r"prefill staging: \d+ x ([\d.]+) GiB device buffers"),
     "pool_staging_buffers": re.compile(r"prefill staging: (\d+) x [\d.]+ GiB device buffers"),
-    "uva_offloaded_gib": re.compile(r"Total CPU offloaded parameters: ([\d.]+) ?GiB"),
+    "uva_offloaded_gib": re.compile(r"Total CPU offloaded parameters: ([\d.]+)"),
     "prefetch_saved_gb": re.compile(r"\[PrefetchOffloader\].*GPU memory saved: ([\d.]+) GB"),
     "prefetch_buffer_gb": re.compile(r"\[PrefetchOffloader\].*Static buffer pool: ([\d.]+) GB"),
     "prefetch_layers": re.compile(r"\[PrefetchOffloader\] Initialized (\d+) modules"),
@@ -415,6 +415,41 @@ class Runner:
         progress(f"wrote {path}")
 
 
+def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str, Any]:
+    """What a server really keeps of the experts on the GPU, from its own log lines.
+
+    vLLM's "Model loading took X GiB" covers every weight (and the pool's bank,
+    which is allocated during loading); minus the non-expert weights it is the
+    expert bytes on the GPU. Staging (the pool's per-step rows and prefill
+    buffers, the prefetch offloader's static buffers) is counted apart, so that
+    ``cache_gib`` compares with the budget: ``holds_budget`` is within 2%.
+    """
+    facts = data["facts"]
+    loading = facts.get("model_loading_gib") or []
+    if not loading:
+        return {"expert_gib_on_gpu": None, "staging_gib": None, "holds_budget": None}
+    on_gpu = loading[0] - checkpoint_routed.other_bytes(spec) / 2**30
+    row_gib = checkpoint_routed.expert_bytes(spec) / (spec.layers * spec.experts) / 2**30
+    staging = 0.0
+    if facts.get("pool_bank_gib") and facts.get("pool_rows_per_layer"):
+        cache_rows = facts["pool_rows_per_layer"][0] * spec.layers
+        staging += facts["pool_bank_gib"][0] - cache_rows * row_gib
+        staging += (facts.get("pool_staging_buffers") or [0])[0] * (
+            facts.get("pool_staging_buffer_gib") or [0]
+        )[0]
+    staging += (facts.get("prefetch_buffer_gb") or [0])[0] * 1e9 / 2**30
+    budget_gib = data["budget"]["fraction"] * checkpoint_routed.expert_bytes(spec) / 2**30
+    cache = on_gpu - staging
+    holds = None if data["offload"] == "none" else abs(cache - budget_gib) <= 0.02 * budget_gib
+    return {
+        "expert_gib_on_gpu": round(on_gpu, 3),
+        "staging_gib": round(staging, 3),
+        "cache_gib": round(cache, 3),
+        "budget_gib": round(budget_gib, 3),
+        "holds_budget": holds,
+    }
+
+
 # --- summary and plots ----------------------------------------------------------------------------
 
 
@@ -434,6 +469,7 @@ def summarize(folder: Path) -> dict[str, Any]:
     decode, ttft, servers = [], [], []
     provenance: dict[str, Any] = {}
     budget = None
+    spec: checkpoint.Spec | None = None
     for record in _records(folder):
         data = record["data"]
         provenance = provenance or {
@@ -452,10 +488,12 @@ def summarize(folder: Path) -> dict[str, Any]:
         spec_tokens = (data.get("speculative") or {}).get("tokens", 0)
         if record["kind"] == "e2e-server":
             budget = budget or data["budget"]["fraction"]
+            spec = checkpoint.Spec(**record["data"]["checkpoint"])
             servers.append({
                 "arm": data["arm"], "router": data["router"], "spec_tokens": spec_tokens,
                 "outcome": data["outcome"], "startup_s": data["startup_s"],
                 "exception": data.get("exception"), "facts": data["facts"],
+                **gpu_expert_bytes(data, spec),
             })  # fmt: skip
             continue
         summary = data.get("summary") or {}

@@ -1,0 +1,170 @@
+"""The end-to-end comparison: the routed checkpoint, the budget each arm gets, the summary.
+
+numpy is needed for the checkpoint writer (the nox session installs it); the
+tests skip, with that reason, where it is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import checkpoint, checkpoint_routed, e2e
+from harness.checkpoint import Spec
+
+np = pytest.importorskip("numpy", reason="the routed checkpoint writer needs numpy")
+
+SMALL = Spec(
+    layers=2, experts=16, top_k=4, hidden_size=512, moe_intermediate_size=256,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=128, shard_bytes=1 << 20,
+)  # fmt: skip
+
+
+def test_routed_checkpoint_shares_every_tensor_but_the_routers(tmp_path: Path) -> None:
+    folders = checkpoint_routed.write(tmp_path, SMALL, workers=2, echo=lambda _: None)
+    maps = {}
+    for router, folder in folders.items():
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        maps[router] = index
+        for file in set(index.values()):
+            names = set(checkpoint.read_safetensors_header(folder / file))
+            assert names == {n for n, f in index.items() if f == file}
+    # The same tensor names, the same files except the router shard, and hard links.
+    assert maps["uniform"].keys() == maps["skewed"].keys()
+    differ = {n for n in maps["uniform"] if maps["uniform"][n] != maps["skewed"][n]}
+    assert differ == {f"model.layers.{i}.mlp.gate.weight" for i in range(SMALL.layers)}
+    shared = sorted((tmp_path / "shared").glob("*.safetensors"))
+    assert shared and all(p.stat().st_nlink == 3 for p in shared)
+    config = json.loads((folders["skewed"] / "config.json").read_text())
+    assert config["num_experts"] == 16 and config["quantization_config"]["quant_algo"] == "NVFP4"
+
+
+def test_routed_checkpoint_is_reused_only_when_current(tmp_path: Path) -> None:
+    said: list[str] = []
+    checkpoint_routed.write(tmp_path, SMALL, ("skewed",), workers=1, echo=said.append)
+    shard = sorted((tmp_path / "shared").glob("*.safetensors"))[0]
+    before = shard.read_bytes()
+    checkpoint_routed.write(tmp_path, SMALL, ("skewed",), workers=1, echo=said.append)
+    assert "not rewritten" in said[-1]
+    other = dataclasses.replace(SMALL, seed=1)
+    checkpoint_routed.write(tmp_path, other, ("skewed",), workers=1, echo=said.append)
+    assert "not rewritten" not in said[-1] and shard.read_bytes() != before
+
+
+def test_bytes_do_not_depend_on_the_worker_count(tmp_path: Path) -> None:
+    a = checkpoint_routed.write(tmp_path / "a", SMALL, ("uniform",), workers=1, echo=print)
+    b = checkpoint_routed.write(tmp_path / "b", SMALL, ("uniform",), workers=3, echo=print)
+    for file in sorted(p.name for p in a["uniform"].glob("*.safetensors")):
+        assert (a["uniform"] / file).read_bytes() == (b["uniform"] / file).read_bytes()
+
+
+def test_skewed_router_follows_its_popularity_and_uniform_does_not() -> None:
+    spec = dataclasses.replace(checkpoint_routed.GLM_SHAPE, layers=2)
+    skewed = checkpoint_routed.routing_check(spec, "skewed", tokens=2048)
+    uniform = checkpoint_routed.routing_check(spec, "uniform", tokens=2048)
+    for layer in skewed["layers"]:
+        # Zipf s=1 over 128 experts, top-8: about 40% of choices on the 8 hottest experts.
+        assert abs(layer["hot_share_observed"] - layer["hot_share_ideal"]) < 0.03
+        assert layer["hot_share_ideal"] > 0.35
+    for layer in uniform["layers"]:
+        assert abs(layer["hot_share_observed"] - 8 / 128) < 0.015
+        assert layer["distinct_experts"] == 128
+
+
+def test_expert_and_other_bytes_match_the_written_files(tmp_path: Path) -> None:
+    folder = checkpoint_routed.write(tmp_path, SMALL, ("skewed",), workers=1, echo=print)["skewed"]
+    experts = other = 0
+    for file in folder.glob("*.safetensors"):
+        for name, entry in checkpoint.read_safetensors_header(file).items():
+            size = entry["data_offsets"][1] - entry["data_offsets"][0]
+            if ".mlp.experts." in name and not name.endswith(("_scale_2", "input_scale")):
+                experts += size
+            else:
+                other += size
+    assert checkpoint_routed.expert_bytes(SMALL) == experts
+    # The expert scalars (two per linear) are counted with the other bytes' 8-byte allowance.
+    scalars = SMALL.layers * SMALL.experts * 3 * 8
+    assert checkpoint_routed.other_bytes(SMALL) == other - scalars
+
+
+def test_prefetch_layout_nearest_the_budget_in_the_alternatives_favour() -> None:
+    # 42 layers at 25%: 10.5 resident is the target; 11 (group 4, 3 offloaded) beats 10.
+    assert e2e.prefetch_layout(42, 0.25) == (4, 3, 11)
+    assert e2e.prefetch_layout(8, 0.25) == (4, 3, 2)
+    assert e2e.prefetch_layout(10, 0.5) == (2, 1, 5)
+
+
+def test_each_arm_gets_the_budget_in_its_own_units() -> None:
+    profile = e2e.load_profiles()["glm-shape-h200"]
+    spec = profile.checkpoint_spec()
+    total_gib = checkpoint_routed.expert_bytes(spec) / 2**30
+    pool = e2e.offload_options(profile.arms["pool"], spec, 0.25)
+    assert pool["fields"] == {"moe_expert_pool_rows": 32}
+    uva = e2e.server_options(profile, profile.arms["uva"], spec, speculative=False)
+    gb = float(uva.extra_args[uva.extra_args.index("--cpu-offload-gb") + 1])
+    assert abs(gb - 0.75 * total_gib) < 0.01 and "experts" in uva.extra_args
+    prefetch = e2e.server_options(profile, profile.arms["prefetch"], spec, speculative=True)
+    argv = prefetch.argv()
+    assert argv[argv.index("--offload-group-size") + 1] == "4"
+    assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "ngram"
+    host_view = e2e.server_options(profile, profile.arms["pool-host-view"], spec, False)
+    assert "--no-moe-expert-pool-prefill-staging" in host_view.argv()
+
+
+def _server(arm: str, offload: str, loading: float, **facts: list[float]) -> dict[str, object]:
+    return {
+        "arm": arm, "offload": offload, "router": "skewed", "speculative": None,
+        "budget": {"fraction": 0.25}, "outcome": "runs", "startup_s": 1.0,
+        "facts": {"model_loading_gib": [loading], **facts},
+        "checkpoint": dataclasses.asdict(checkpoint_routed.GLM_SHAPE),
+    }  # fmt: skip
+
+
+def test_summary_tells_an_arm_that_holds_the_budget_from_one_that_does_not(
+    tmp_path: Path,
+) -> None:
+    prov = {k: "x" for k in ("command", "date", "host", "gpu", "driver", "cuda", "torch", "python")}
+    prov["base"] = {}
+    # As measured on the H200: the pool's bank of 32 rows x 42 layers + 64 step rows and
+    # two 0.84 GiB prefill buffers; UVA after Marlin's repack kept every expert on the GPU.
+    records = {
+        "server-pool": _server("pool", "pool", 11.9, pool_bank_gib=[9.28],
+                               pool_rows_per_layer=[32], pool_staging_buffers=[2],
+                               pool_staging_buffer_gib=[0.84]),
+        "server-uva": _server("uva", "uva", 36.37, uva_offloaded_gib=[26.66]),
+    }  # fmt: skip
+    for name, data in records.items():
+        record = {"schema": 1, "kind": "e2e-server", "provenance": prov, "data": data}
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    decode = {**records["server-pool"], "concurrency": 32, "output_len": 256,
+              "outcome": "ok", "summary": {"decode_tok_s": 93.9}}  # fmt: skip
+    (tmp_path / "decode.json").write_text(
+        json.dumps({"schema": 1, "kind": "e2e-decode", "provenance": prov, "data": decode})
+    )
+    summary = e2e.summarize(tmp_path)
+    holds = {s["arm"]: s["holds_budget"] for s in summary["servers"]}
+    assert holds == {"pool": True, "uva": False}
+    assert summary["decode"] == [{
+        "arm": "pool", "router": "skewed", "outcome": "ok", "concurrency": 32,
+        "spec_tokens": 0, "output_len": 256, "tok_s": 93.9, "acceptance_rate": None,
+    }]  # fmt: skip
+    assert summary["budget_gib"] == pytest.approx(0.25 * 35.44, abs=0.01)
+
+
+def test_dry_run_prints_every_arm_and_the_checkpoint_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert e2e.main("glm-shape-h200", tmp_path, python=Path("py"), dry_run=True) == 0
+    out = capsys.readouterr().out
+    assert "--preset glm-shape" in out
+    serves = [line for line in out.splitlines() if line.startswith("vllm serve ")]
+    assert len(serves) == 2 * 9  # 2 routers x (5 arms, 4 of them again with ngram speculation)
+    assert "--cpu-offload-gb" in out and "--offload-backend prefetch" in out
+
+
+def test_unknown_arms_are_refused_with_the_known_ones() -> None:
+    with pytest.raises(e2e.HarnessError, match="arms: resident, pool"):
+        e2e.main("glm-shape-h200", Path("/nonexistent"), python=Path("py"), arms=["nope"])
