@@ -465,7 +465,11 @@ def _records(folder: Path) -> list[dict[str, Any]]:
 
 
 def summarize(folder: Path) -> dict[str, Any]:
-    """``summary.json``: decode and TTFT rows, the servers' outcomes, and the provenance."""
+    """``summary.json``: decode and TTFT rows, the servers' outcomes, and the provenance.
+
+    The provenance is the first result's (each file keeps its own); the rows are
+    at the top level, for anyone comparing a later series with this one.
+    """
     decode, ttft, servers = [], [], []
     provenance: dict[str, Any] = {}
     budget = None
@@ -473,17 +477,7 @@ def summarize(folder: Path) -> dict[str, Any]:
     for record in _records(folder):
         data = record["data"]
         provenance = provenance or {
-            k: record["provenance"].get(k)
-            for k in (
-                "gpu",
-                "driver",
-                "torch",
-                "cuda",
-                "vllm",
-                "series_hash",
-                "tree_commit",
-                "base",
-            )
+            k: v for k, v in record["provenance"].items() if k not in ("server_argv", "bench_argv")
         }
         spec_tokens = (data.get("speculative") or {}).get("tokens", 0)
         if record["kind"] == "e2e-server":
@@ -516,6 +510,8 @@ def summarize(folder: Path) -> dict[str, Any]:
             else None
         )
     return {
+        "schema": results.SCHEMA,
+        "kind": "e2e-summary",
         "decode": decode,
         "ttft": ttft,
         "servers": servers,
