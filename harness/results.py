@@ -138,28 +138,42 @@ def lookup(root: Path, ref: str) -> Any:
     return value
 
 
+def _ours(project: Project, claim: dict[str, Any], prefix: str, default: str) -> str:
+    """A claim's value from ``PREFIX_from`` pointers and ``PREFIX_format``, else ``PREFIX``."""
+    if refs := claim.get(f"{prefix}_from"):
+        refs = [refs] if isinstance(refs, str) else refs
+        try:
+            values = [lookup(project.root, ref) for ref in refs]
+        except (OSError, KeyError, IndexError, ValueError) as exc:
+            raise HarnessError(f"claim {claim['id']}: cannot read {refs}: {exc}") from exc
+        return str(claim.get(f"{prefix}_format", "{}").format(*values))
+    return str(claim.get(prefix, default))
+
+
 def render_claims(project: Project) -> str:
-    """The claims table: seed value, ours (read from the result files), method, command."""
-    claims = tomllib.loads((project.results / "claims.toml").read_text())["claim"]
+    """The claims table: seed value, ours (read from the result files), method, command.
+
+    ``e2e``/``e2e_from`` give our end-to-end value on synthetic weights beside
+    each seed end-to-end claim; the file's ``e2e_differs`` says, under the table,
+    what differs from the seeds' setups.
+    """
+    data = tomllib.loads((project.results / "claims.toml").read_text())
     lines = [
-        "| claim | seed | ours | method | command | file |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| claim | seed | ours | ours, end to end on synthetic weights (H200) | method "
+        "| command | file |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for claim in claims:
-        ours = claim.get("ours", "not run here")
-        if refs := claim.get("ours_from"):
-            refs = [refs] if isinstance(refs, str) else refs
-            try:
-                values = [lookup(project.root, ref) for ref in refs]
-            except (OSError, KeyError, IndexError, ValueError) as exc:
-                raise HarnessError(f"claim {claim['id']}: cannot read {refs}: {exc}") from exc
-            ours = claim.get("ours_format", "{}").format(*values)
+    for claim in data["claim"]:
+        ours = _ours(project, claim, "ours", "not run here")
+        e2e = _ours(project, claim, "e2e", "")
         file = claim.get("file", "")
         link = f"[{Path(file).name}]({os.path.relpath(project.root / file, project.results)})"
         lines.append(
-            f"| {claim['id']}: {claim['claim']} | {claim['seed']} | {ours} | {claim['method']} "
-            f"| `{claim['command']}` | {link if file else ''} |"
+            f"| {claim['id']}: {claim['claim']} | {claim['seed']} | {ours} | {e2e} "
+            f"| {claim['method']} | `{claim['command']}` | {link if file else ''} |"
         )
+    if differs := data.get("e2e_differs"):
+        lines += ["", f"End to end on synthetic weights: {differs}"]
     return "\n".join(lines) + "\n"
 
 
