@@ -85,8 +85,13 @@ def test_claims_table_reads_our_value_from_the_result(project):
             '\n[[claim]]\nid = "C3"\nclaim = "two"\nseed = "s"\nmethod = "m"\ncommand = "c"\n'
             'ours_from = ["results/a.json#/data/ttft_s", "results/a.json#/kind"]\n'
             'ours_format = "{0} s ({1})"\n'
+            'e2e_from = "results/a.json#/data/ttft_s"\ne2e_format = "pool {0} s"\n'
         )
     table = results.render_claims(project)
-    assert "| C3: two | s | 1.8 s (demo) | m |" in table
-    assert "| C1: TTFT | 1.81 s | 1.8 | replayed at layer level |" in table
+    assert "| C3: two | s | 1.8 s (demo) | pool 1.8 s | m |" in table
+    assert "| C1: TTFT | 1.81 s | 1.8 |  | replayed at layer level |" in table
+    assert "End to end on synthetic weights" not in table
+    text = (project.root / "results/claims.toml").read_text()
+    (project.root / "results/claims.toml").write_text('e2e_differs = "TP=1"\n' + text)
+    assert results.render_claims(project).endswith("End to end on synthetic weights: TP=1\n")
     assert "| C2: decode | 107 tok/s | not run here |" in table
