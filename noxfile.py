@@ -76,7 +76,7 @@ def test(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def replay(session: nox.Session) -> None:
-    """End-to-end replay on a GPU host (`-- ttft --profile glm53-tp2`; `--dry-run` prints it)."""
+    """End-to-end replay on a GPU host (`-- ttft --profile glm53-tp2`, `-- e2e`; `--dry-run`)."""
     _harness(session, "replay", *session.posargs)
 
 
