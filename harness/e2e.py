@@ -234,10 +234,7 @@ def server_options(
 
 def server_facts(log_text: str) -> dict[str, list[float]]:
     """Every :data:`FACTS` value in a server log (one per worker)."""
-    return {
-        key: [float(v.replace(",", "")) for v in pattern.findall(log_text)]
-        for key, pattern in FACTS.items()
-    }
+    return replay.log_facts(log_text, FACTS)
 
 
 # --- the runner -----------------------------------------------------------------------------------
@@ -523,62 +520,70 @@ def summarize(folder: Path) -> dict[str, Any]:
     }
 
 
-def plot(summary: Mapping[str, Any], folder: Path) -> list[Path]:
-    """``ttft.png`` (TTFT by arm and prompt length) and ``decode.png`` (one panel per router)."""
+def _panels(
+    rows: Sequence[Mapping[str, Any]],
+    png: Path,
+    draw: Callable[[Any, str, list[Mapping[str, Any]]], None],
+) -> Path:
+    """One panel per router of ``rows``, each drawn by ``draw(ax, router, its rows)``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    routers = sorted({r["router"] for r in rows})
+    fig, axes = plt.subplots(1, len(routers), figsize=(6 * len(routers), 4), squeeze=False)
+    for ax, router in zip(axes[0], routers, strict=True):
+        draw(ax, router, [r for r in rows if r["router"] == router])
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def _ttft_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
+    lens = sorted({r["input_len"] for r in rows})
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        xs, ys = [], []
+        for j, n in enumerate(lens):
+            hit = [r["ttft_s"] for r in rows if r["arm"] == arm and r["input_len"] == n]
+            if hit:
+                xs.append(j + (i - (len(arms) - 1) / 2) * width)
+                ys.append(hit[0])
+        bars = ax.bar(xs, ys, width, label=arm)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks(range(len(lens)), [f"{n:,} tokens" for n in lens])
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title(f"TTFT, {router} router")
+
+
+def _decode_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
+    for arm, spec_tokens in dict.fromkeys((r["arm"], r["spec_tokens"]) for r in rows):
+        pts = sorted(
+            (r["concurrency"], r["tok_s"])
+            for r in rows
+            if r["arm"] == arm and r["spec_tokens"] == spec_tokens
+        )
+        label = arm + (f" + ngram {spec_tokens}" if spec_tokens else "")
+        style = "--" if spec_tokens else "-"
+        ax.plot(*zip(*pts, strict=True), marker="o", ls=style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("decode tok/s per request (1000 / mean TPOT)")
+    ax.set_title(f"decode, {router} router")
+
+
+def plot(summary: Mapping[str, Any], folder: Path) -> list[Path]:
+    """``ttft.png`` (TTFT by arm and prompt length) and ``decode.png`` (one panel per router)."""
     written = []
-    ttft = [r for r in summary["ttft"] if r["ttft_s"] is not None]
-    if ttft:
-        routers = sorted({r["router"] for r in ttft})
-        fig, axes = plt.subplots(1, len(routers), figsize=(6 * len(routers), 4), squeeze=False)
-        for ax, router in zip(axes[0], routers, strict=True):
-            rows = [r for r in ttft if r["router"] == router]
-            lens = sorted({r["input_len"] for r in rows})
-            arms = list(dict.fromkeys(r["arm"] for r in rows))
-            width = 0.8 / len(arms)
-            for i, arm in enumerate(arms):
-                xs, ys = [], []
-                for j, n in enumerate(lens):
-                    hit = [r["ttft_s"] for r in rows if r["arm"] == arm and r["input_len"] == n]
-                    if hit:
-                        xs.append(j + (i - (len(arms) - 1) / 2) * width)
-                        ys.append(hit[0])
-                bars = ax.bar(xs, ys, width, label=arm)
-                ax.bar_label(bars, fmt="%.1f", fontsize=7)
-            ax.set_xticks(range(len(lens)), [f"{n:,} tokens" for n in lens])
-            ax.set_ylabel("TTFT (s)")
-            ax.set_title(f"TTFT, {router} router")
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(folder / "ttft.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
-    decode = [r for r in summary["decode"] if r["tok_s"] is not None]
-    if decode:
-        routers = sorted({r["router"] for r in decode})
-        fig, axes = plt.subplots(1, len(routers), figsize=(6 * len(routers), 4), squeeze=False)
-        for ax, router in zip(axes[0], routers, strict=True):
-            rows = [r for r in decode if r["router"] == router]
-            for arm, spec_tokens in dict.fromkeys((r["arm"], r["spec_tokens"]) for r in rows):
-                pts = sorted((r["concurrency"], r["tok_s"]) for r in rows
-                             if r["arm"] == arm and r["spec_tokens"] == spec_tokens)  # fmt: skip
-                label = arm + (f" + ngram {spec_tokens}" if spec_tokens else "")
-                ax.plot(*zip(*pts, strict=True), marker="o", ls="--" if spec_tokens else "-",
-                        label=label)  # fmt: skip
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("concurrent requests")
-            ax.set_ylabel("decode tok/s per request (1000 / mean TPOT)")
-            ax.set_title(f"decode, {router} router")
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(folder / "decode.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+    if ttft := [r for r in summary["ttft"] if r["ttft_s"] is not None]:
+        written.append(_panels(ttft, folder / "ttft.png", _ttft_panel))
+    if decode := [r for r in summary["decode"] if r["tok_s"] is not None]:
+        written.append(_panels(decode, folder / "decode.png", _decode_panel))
     return written
 
 

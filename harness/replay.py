@@ -617,11 +617,13 @@ def classify_failure(log_text: str) -> tuple[str, str]:
     return "error", lines[-1] if lines else "no output"
 
 
-def log_facts(log_text: str) -> dict[str, list[float]]:
-    """vLLM's memory lines: every value per fact (one per worker)."""
+def log_facts(
+    log_text: str, patterns: Mapping[str, re.Pattern[str]] = LOG_FACTS
+) -> dict[str, list[float]]:
+    """Every value of each pattern in a log (one per worker); vLLM's memory lines by default."""
     return {
         key: [float(v.replace(",", "")) for v in pattern.findall(log_text)]
-        for key, pattern in LOG_FACTS.items()
+        for key, pattern in patterns.items()
     }
 
 

@@ -168,3 +168,15 @@ def test_dry_run_prints_every_arm_and_the_checkpoint_command(
 def test_unknown_arms_are_refused_with_the_known_ones() -> None:
     with pytest.raises(e2e.HarnessError, match="arms: resident, pool"):
         e2e.main("glm-shape-h200", Path("/nonexistent"), python=Path("py"), arms=["nope"])
+
+
+def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib")
+    root = Path(__file__).resolve().parent.parent
+    summary = json.loads((root / "results/e2e/summary.json").read_text())
+    written = e2e.plot(summary, tmp_path)
+    assert [p.name for p in written] == ["ttft.png", "decode.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    # The committed summary is what summarize gives over the committed run.
+    again = e2e.summarize(root / "results/e2e/2026-12-01-glm-shape-h200-skewed")
+    assert again["decode"] == summary["decode"] and again["servers"] == summary["servers"]
