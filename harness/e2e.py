@@ -262,13 +262,42 @@ class Runner:
     echo: Callable[[str], None] = print
     written: list[Path] = dataclasses.field(default_factory=list)
 
-    def run(self) -> list[Path]:
+    def sessions(self) -> list[tuple[str, Arm, bool]]:
+        """``(router, arm, speculative)`` of every server this run starts, in order."""
+        out = []
         for router in self.routers:
             for name in self.arms:
                 arm = self.profile.arms[name]
-                self._session(router, arm, speculative=False)
+                out.append((router, arm, False))
                 if self.speculative and name not in self.profile.measure.ttft_only_arms:
-                    self._session(router, arm, speculative=True)
+                    out.append((router, arm, True))
+        return out
+
+    def _names(self, router: str, arm: Arm, speculative: bool) -> list[str]:
+        """The result files (without ``.json``) one server session writes when it completes."""
+        tag = f"{router}-{arm.name}{'-ngram' if speculative else ''}"
+        runs = self._runs(router, arm, speculative)
+        return [f"server-{tag}"] + [
+            r.result_file.removesuffix(".json") for k, r in runs if k != "warmup"
+        ]
+
+    def run(self) -> list[Path]:
+        """Every session in order. One whose results all exist is skipped (a later call
+        resumes where a cut one stopped); the plan is recorded first, so that
+        :func:`summarize` can name what was planned and never measured."""
+        if not self.dry_run:
+            plan = [
+                {"router": r, "arm": a.name, "speculative": sp, "results": self._names(r, a, sp)}
+                for r, a, sp in self.sessions()
+            ]
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            self._record(f"plan-{stamp}", "e2e-plan", {"sessions": plan}, [], None)
+        for router, arm, speculative in self.sessions():
+            names = self._names(router, arm, speculative)
+            if not self.dry_run and all((self.out / f"{n}.json").exists() for n in names):
+                progress(f"{router}/{arm.name}: every result exists in {self.out}; skipped")
+                continue
+            self._session(router, arm, speculative)
         return self.written
 
     def _runs(self, router: str, arm: Arm, speculative: bool) -> list[tuple[str, replay.BenchRun]]:
@@ -339,6 +368,10 @@ class Runner:
                 return
             before = replay.scrape_spec_decode(server.url) if speculative else None
             for kind, run in runs:
+                done = self.out / run.result_file
+                if kind != "warmup" and done.exists():
+                    progress(f"{done.name} exists; not measured again")
+                    continue
                 self._bench(kind, run, router, server, common, before)
 
     def _bench(
@@ -468,6 +501,8 @@ def summarize(folder: Path) -> dict[str, Any]:
     at the top level, for anyone comparing a later series with this one.
     """
     decode, ttft, servers = [], [], []
+    planned: set[str] = set()
+    present = {p.stem for p in folder.glob("*.json")}
     provenance: dict[str, Any] = {}
     budget = None
     spec: checkpoint.Spec | None = None
@@ -476,6 +511,9 @@ def summarize(folder: Path) -> dict[str, Any]:
         provenance = provenance or {
             k: v for k, v in record["provenance"].items() if k not in ("server_argv", "bench_argv")
         }
+        if record["kind"] == "e2e-plan":
+            planned.update(n for session in data["sessions"] for n in session["results"])
+            continue
         spec_tokens = (data.get("speculative") or {}).get("tokens", 0)
         if record["kind"] == "e2e-server":
             budget = budget or data["budget"]["fraction"]
@@ -512,6 +550,8 @@ def summarize(folder: Path) -> dict[str, Any]:
         "decode": decode,
         "ttft": ttft,
         "servers": servers,
+        # Planned by a run and never written: cut by a time limit, or after a failed server.
+        "not_measured": sorted(planned - present),
         "budget_fraction": budget,
         "budget_gib": round(budget * checkpoint_routed.expert_bytes(spec) / 2**30, 3)
         if spec and budget

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
+from test_replay import fake  # noqa: F401 (the fake `vllm` CLI fixture)
 
 from harness import checkpoint, checkpoint_routed, e2e
 from harness.checkpoint import Spec
@@ -180,3 +182,61 @@ def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
     # The committed summary is what summarize gives over the committed run.
     again = e2e.summarize(root / "results/e2e/2026-12-01-glm-shape-h200-skewed")
     assert again["decode"] == summary["decode"] and again["servers"] == summary["servers"]
+
+
+# --- the runner, against test_replay's fake `vllm` CLI ----------------------------------------
+
+
+def _tiny_runner(out: Path, arms: tuple[str, ...] = ("resident", "pool")) -> e2e.Runner:
+    import sys
+
+    script = Path(os.environ["FAKE_VLLM_DIR"]).parent / "fake_vllm.py"  # test_replay's `fake`
+
+    profile = e2e.Profile(
+        name="tiny", description="", preset="glm-shape", routers=("skewed",), budget=0.25,
+        server={"model": "synthetic", "max_num_seqs": 1},
+        arms={"resident": e2e.Arm("resident", "none"), "pool": e2e.Arm("pool", "pool")},
+        measure=e2e.Measure(warmup_input_len=10, ttft_input_lens=(100,), decode_concurrency=(1,),
+                            decode_output_len=8),
+        startup_timeout_s=30, bench_timeout_s=30,
+    )  # fmt: skip
+    prov = {k: "test" for k in e2e.results.REQUIRED}
+    return e2e.Runner(
+        profile, out, [sys.executable, str(script)], {"skewed": "m"}, SMALL, arms, ("skewed",),
+        speculative=False, provenance=lambda: dict(prov), echo=lambda _: None,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("fake")
+def test_runner_records_plan_servers_and_runs_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    written = {p.name for p in _tiny_runner(out).run()}
+    assert {"server-skewed-pool.json", "ttft-skewed-pool-in100.json",
+            "decode-skewed-resident-c1.json"} <= written  # fmt: skip
+    summary = e2e.summarize(out)
+    assert summary["not_measured"] == []
+    assert {(r["arm"], r["outcome"]) for r in summary["decode"]} == {
+        ("resident", "ok"), ("pool", "ok"),
+    }  # fmt: skip
+    benches = (Path(os.environ["FAKE_VLLM_DIR"]) / "bench.jsonl").read_text().count("\n")
+    again = _tiny_runner(out).run()
+    assert [p.name for p in again if not p.name.startswith("plan-")] == []  # all skipped
+    assert (Path(os.environ["FAKE_VLLM_DIR"]) / "bench.jsonl").read_text().count("\n") == benches
+
+
+@pytest.mark.usefixtures("fake")
+def test_a_server_that_does_not_start_is_a_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_MODE", "crash")
+    out = tmp_path / "out"
+    _tiny_runner(out, arms=("pool",)).run()
+    server = json.loads((out / "server-skewed-pool.json").read_text())["data"]
+    assert server["outcome"] == "does not run"
+    assert "use --moe-expert-pool-rows <= 193" in server["exception"]
+    assert "--moe-expert-pool-rows" in " ".join(
+        json.loads((out / "server-skewed-pool.json").read_text())["provenance"]["server_argv"]
+    )
+    assert e2e.summarize(out)["not_measured"] == [
+        "decode-skewed-pool-c1", "ttft-skewed-pool-in100",
+    ]  # fmt: skip
