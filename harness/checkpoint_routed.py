@@ -51,6 +51,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 import zlib
 from collections.abc import Iterable, Sequence
@@ -317,6 +318,13 @@ def write(
     shared.mkdir(parents=True, exist_ok=True)
     for old in shared.glob("*.safetensors"):
         old.unlink()
+    need = expert_bytes(spec) + other_bytes(spec) + 2**30  # one GiB for routers and documents
+    free = shutil.disk_usage(shared).free
+    if free < need:
+        raise ValueError(
+            f"the checkpoint needs {need / 2**30:.1f} GiB and {shared} has {free / 2**30:.1f} GiB "
+            "free: write it elsewhere (--checkpoint DIR) or use fewer experts (--experts)"
+        )
     dense = Dense.draw(spec)
     dense_bytes = {
         "model.embed_tokens.weight": _bf16(dense.embed),

@@ -56,6 +56,18 @@ def test_routed_checkpoint_is_reused_only_when_current(tmp_path: Path) -> None:
     assert "not rewritten" not in said[-1] and shard.read_bytes() != before
 
 
+def test_a_checkpoint_that_does_not_fit_the_disk_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage._replace(free=1 << 20))
+    with pytest.raises(ValueError, match=r"needs 1\.0 GiB and .* has 0\.0 GiB free: write it"):
+        checkpoint_routed.write(tmp_path, SMALL, workers=1, echo=print)
+    assert not list((tmp_path / "shared").glob("*.safetensors"))
+
+
 def test_bytes_do_not_depend_on_the_worker_count(tmp_path: Path) -> None:
     a = checkpoint_routed.write(tmp_path / "a", SMALL, ("uniform",), workers=1, echo=print)
     b = checkpoint_routed.write(tmp_path / "b", SMALL, ("uniform",), workers=3, echo=print)
