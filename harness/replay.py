@@ -21,7 +21,7 @@ vllm.entrypoints.cli.main"`` then runs both ``vllm serve`` and ``vllm bench
 serve``, and ``--python`` names the interpreter whose versions are recorded.
 
 For each arm the runner starts ``vllm serve`` from the harness venv (the built
-wheel of the series, installed by :func:`harness.test.install_wheel`; ``--python``
+wheel of the series, installed by :func:`harness.venv.install_wheel`; ``--python``
 selects another venv, e.g. the stock release for an A/B), in its own process
 group, waits for ``/health`` (bounded), then drives it with vLLM's own client,
 ``vllm bench serve``: random dataset, exact input length (``--random-range-ratio
@@ -982,9 +982,10 @@ def main(
     if dry_run:
         python = python or Path("<harness venv>/bin/python")
     elif python is None:
-        from harness import build, test
+        from harness import build, venv
 
-        python = test.install_wheel(project, build.built(project))
+        info = build.built(project)
+        python = venv.install_wheel(project, info.wheel, info.wheel_sha256)
     vllm = list(vllm_command) or [str(python.parent / "vllm")]
     runner = Runner(profile, experiment, out, vllm, model=model, dry_run=dry_run, port=port)
     if dry_run:
