@@ -189,17 +189,18 @@ def _unexported_message(
 ) -> str:
     count = f"{len(own)} commit(s)" if own else "commits"
     keep = (
-        f"`git -C {tree} branch {SAVED_BRANCH}` keeps a copy of the branch (`series` stays "
-        f"checked out); apply then rebuilds `series`"
+        f"`git -C {tree} branch {SAVED_BRANCH}` keeps a copy of them on another branch "
+        f"(`series` stays checked out), after which apply may rebuild `series`"
     )
     if record is not None and _changed_since(record, current):
-        since = record.head or "the base"
+        since = record.head or project.pin.base_commit
         return (
             f"{tree} has {count} that are not in patches/, and patches/ changed since the "
             f"last apply (series hash {record.series_hash}, now {current}). Exporting would "
-            f"overwrite that change and applying would drop the commits. {keep}, and "
-            f"`git -C {tree} cherry-pick {since}..{SAVED_BRANCH}` puts the commits back on "
-            f"top. Nothing was changed."
+            f"overwrite that change and applying would drop the commits. Keep them with "
+            f"`git -C {tree} branch {SAVED_BRANCH}` (`series` stays checked out), run "
+            f"`python -m harness apply`, then `git -C {tree} cherry-pick "
+            f"{since}..{SAVED_BRANCH}` puts them back on top. Nothing was changed."
         )
     if record is not None:
         return (
