@@ -211,21 +211,44 @@ def fresh_clone(store: Path, commit: str) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def forget(clone: Path, base: str) -> None:
+    """Return a :func:`fresh_clone` to ``base`` as if it were new: files, refs and objects.
+
+    Its own object directory holds only what applying wrote (the base's
+    objects are borrowed from the store), so emptying it leaves exactly the
+    base's objects, without the cost of a new checkout.
+    """
+    git(clone, "reset", "-q", "--hard", base)
+    git(clone, "clean", "-q", "-fdx")
+    gitdir = clone / ".git"
+    shutil.rmtree(gitdir / "logs", ignore_errors=True)
+    for name in ("ORIG_HEAD", "FETCH_HEAD"):
+        (gitdir / name).unlink(missing_ok=True)
+    objects = gitdir / "objects"
+    for entry in objects.iterdir():
+        if re.fullmatch(r"[0-9a-f]{2}", entry.name):
+            shutil.rmtree(entry)
+    for pack in (objects / "pack").iterdir():
+        pack.unlink()
+
+
 def apply_alone(
-    store: Path,
+    clone: Path,
     base: str,
     patches: Sequence[Path],
     identity: Identity,
     *,
     three_way: bool,
 ) -> list[PatchResult]:
-    """Apply ``patches`` (prerequisites, then the patch in question) in a fresh clone at ``base``.
+    """Apply ``patches`` (prerequisites, then the patch in question) on ``base`` in ``clone``.
 
-    The standalone claim uses ``three_way=False`` (plain ``git am
-    --keep-non-patch``); the revision matrix uses ``True`` and reports the
-    merges it needed as ``3way``.
+    ``clone`` is a :func:`fresh_clone` of a :func:`base_store`; it is first
+    returned to the bare base with only the base's objects (:func:`forget`),
+    so nothing an earlier call applied can help this one. The standalone
+    claim uses ``three_way=False`` (plain ``git am --keep-non-patch``); the
+    revision matrix uses ``True`` and reports the merges it needed as ``3way``.
     """
     if not patches:
         raise HarnessError("apply_alone needs at least one patch")
-    with fresh_clone(store, base) as work:
-        return apply_series(work, patches, identity, abort=True, three_way=three_way)
+    forget(clone, base)
+    return apply_series(clone, patches, identity, abort=True, three_way=three_way)

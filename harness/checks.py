@@ -15,24 +15,33 @@ import tempfile
 from pathlib import Path
 
 from harness import document, results
-from harness.applying import Outcome, apply_alone, apply_series, base_store, blocking, fresh_clone
+from harness.applying import (
+    Outcome,
+    apply_alone,
+    apply_series,
+    base_store,
+    blocking,
+    forget,
+    fresh_clone,
+)
 from harness.patches import load_notes, series_files
 from harness.project import Project
 from harness.series import format_patches, prepare
 
 
-def check_round_trip(project: Project, store: Path, base: str) -> list[str]:
-    """Apply the series in a fresh clone of ``store``, export it, and compare with ``patches/``."""
+def check_round_trip(project: Project, clone: Path, base: str) -> list[str]:
+    """Apply the series in ``clone`` (of the bare base), export it, compare with patches/."""
     problems = []
     patches = series_files(project)
-    with fresh_clone(store, base) as work, tempfile.TemporaryDirectory() as tmp:
-        applied = apply_series(work, patches, project.pin.identity, abort=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        forget(clone, base)
+        applied = apply_series(clone, patches, project.pin.identity, abort=True)
         if (stop := blocking(applied)) is not None:
             if stop.outcome is Outcome.UPSTREAM:
                 return [f"{stop.patch} is already upstream in this base ({stop.detail})"]
             return [stop.detail]
         out = Path(tmp)
-        written = format_patches(work, base, out)
+        written = format_patches(clone, base, out)
         if [p.name for p in written] != [p.name for p in patches]:
             problems.append(f"export names {[p.name for p in written]} differ from patches/series")
         for patch in patches:
@@ -47,7 +56,7 @@ def where(requires: tuple[int, ...]) -> str:
     return "the bare base" if not requires else "base + " + ", ".join(f"{i:04d}" for i in requires)
 
 
-def check_standalone(project: Project, store: Path, base: str) -> list[str]:
+def check_standalone(project: Project, clone: Path, base: str) -> list[str]:
     """Apply each patch alone on the base its note names (bare base, or base + prerequisites).
 
     Notes are matched to patches by name, never by position.
@@ -58,7 +67,7 @@ def check_standalone(project: Project, store: Path, base: str) -> list[str]:
     for patch in patches:
         note = notes[patch.name]
         prereqs = [patches[i - 1] for i in note.requires]
-        applied = apply_alone(store, base, [*prereqs, patch], project.pin.identity, three_way=False)
+        applied = apply_alone(clone, base, [*prereqs, patch], project.pin.identity, three_way=False)
         last = applied[-1]
         if last.patch != patch.name or last.outcome in (Outcome.FAILED, Outcome.UPSTREAM):
             detail = last.detail if last.patch == patch.name else f"{last.patch} does not apply"
@@ -72,9 +81,9 @@ def check_standalone(project: Project, store: Path, base: str) -> list[str]:
 def check(project: Project) -> list[str]:
     """Round trip, standalone commits, result files, fresh documents."""
     tree, base = prepare(project)
-    with base_store([(tree, project.pin.release.tag)]) as store:
-        problems = check_round_trip(project, store, base)
-        problems += check_standalone(project, store, base)
+    with base_store([(tree, project.pin.release.tag)]) as store, fresh_clone(store, base) as clone:
+        problems = check_round_trip(project, clone, base)
+        problems += check_standalone(project, clone, base)
     problems += results.check_all(project.root)
     problems += [
         f"{name}: generated blocks are stale; run `python -m harness doc`"

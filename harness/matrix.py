@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness import document, results, series
-from harness.applying import apply_alone, base_store
+from harness.applying import apply_alone, base_store, fresh_clone
 from harness.base import materialize
 from harness.patches import load_notes, series_files
 from harness.project import Project, Release, git, progress
@@ -36,10 +36,10 @@ def classify(project: Project, release: Release) -> dict[str, dict[str, Any]]:
     patches = series_files(project)
     notes = load_notes(project)
     cells: dict[str, dict[str, Any]] = {}
-    with base_store(sources) as store:
+    with base_store(sources) as store, fresh_clone(store, base) as clone:
         for patch in patches:
             prereqs = [patches[i - 1] for i in notes[patch.name].requires]
-            applied = apply_alone(store, base, [*prereqs, patch], pin.identity, three_way=True)
+            applied = apply_alone(clone, base, [*prereqs, patch], pin.identity, three_way=True)
             last = applied[-1]
             if last.patch != patch.name:
                 cells[patch.name] = {"outcome": "blocked", "files": [last.patch]}

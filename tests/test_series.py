@@ -11,8 +11,12 @@ from harness.project import HarnessError, git
 
 
 def _standalone(project):
-    with applying.base_store([(project.tree, project.pin.release.tag)]) as store:
-        return checks.check_standalone(project, store, project.pin.base_commit)
+    base = project.pin.base_commit
+    with (
+        applying.base_store([(project.tree, project.pin.release.tag)]) as store,
+        applying.fresh_clone(store, base) as clone,
+    ):
+        return checks.check_standalone(project, clone, base)
 
 
 def _export_two(project, commit):
@@ -45,8 +49,12 @@ def test_export_then_apply_round_trips_byte_for_byte(project, commit):
     assert git(project.tree, "rev-parse", "HEAD").stdout == first_ids
     series.export(project)
     assert {p.name: p.read_bytes() for p in patches.series_files(project)} == before
-    with applying.base_store([(project.tree, project.pin.release.tag)]) as store:
-        assert checks.check_round_trip(project, store, project.pin.base_commit) == []
+    base = project.pin.base_commit
+    with (
+        applying.base_store([(project.tree, project.pin.release.tag)]) as store,
+        applying.fresh_clone(store, base) as clone,
+    ):
+        assert checks.check_round_trip(project, clone, base) == []
     assert head  # the original commits were replaced by identical re-applied ones
 
 
