@@ -26,6 +26,7 @@ import json
 import re
 import shutil
 import tempfile
+import textwrap
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -525,7 +526,13 @@ def _submission(project: Project, tree: Path, written: list[Path], author: Ident
                 f"commit {upstream or 'unknown'}: its sdist records only this short id, so "
                 f"the patches carry no base-commit line)."
             )
-            text = text.replace("*** BLURB HERE ***", f"*** BLURB HERE ***\n\n{where}", 1)
+            text = text.replace(
+                "*** BLURB HERE ***", "*** BLURB HERE ***\n\n" + textwrap.fill(where, 72), 1
+            )
+            if author is not None:  # the shortlog groups by the commits' (project) author
+                text = re.sub(
+                    rf"(?m)^{re.escape(pin.identity.name)} (\(\d+\):)$", rf"{author.name} \1", text
+                )
         path.write_text(text)
 
 

@@ -239,6 +239,7 @@ def test_submission_export_has_the_submitter_no_stale_files_and_no_synthetic_bas
         assert "Signed-off-by: Jane Submitter <jane@example.invalid>" in text
     cover = out / "0000-cover-letter.patch"
     assert cover in written and "tag v1.0.0" in cover.read_text()
+    assert "Jane Submitter (3):" in cover.read_text()
 
 
 def test_submission_export_uses_the_release_commit_when_the_sdist_has_it(
