@@ -54,6 +54,7 @@ RESET_HINT = "python -m harness reset"
 CONTINUE_HINT = "python -m harness apply --continue"
 SAVED_BRANCH = "series-saved"
 RECORD = "harness-series.json"
+BEFORE_APPLY = "refs/harness/before-apply"
 
 
 # --------------------------------------------------------------------------- record
@@ -226,9 +227,12 @@ def ensure_nothing_lost(project: Project, tree: Path, base: str) -> None:
     record, current = load_record(tree), series_hash(project)
     own = _own_commits(record, tree, base)
     if record is not None and not own:
+        # The tree is what the recorded series made; keep it reachable anyway.
+        git(tree, "update-ref", BEFORE_APPLY, "HEAD")
         progress(
             f"patches/ changed since the last apply (series hash {record.series_hash}, now "
-            f"{current}); the tree holds nothing else, rebuilding it"
+            f"{current}); the tree holds nothing else, rebuilding it (the previous tree "
+            f"stays reachable as {BEFORE_APPLY})"
         )
         return
     raise HarnessError(_unexported_message(project, tree, record, current, own))

@@ -141,7 +141,10 @@ def test_export_after_a_pull_changed_a_patch_refuses_and_apply_takes_the_pull(
     with pytest.raises(HarnessError, match="changed since the last apply"):
         series.export(project)
     assert (project.patches / second).read_bytes() == pulled
+    old_head = git(project.tree, "rev-parse", "HEAD").stdout.strip()
     series.apply(project)  # the tree held nothing else: it is rebuilt from the pull
+    kept = git(project.tree, "rev-parse", "refs/harness/before-apply").stdout.strip()
+    assert kept == old_head  # and what it held stays reachable
     assert "line 20 (pulled)" in (project.tree / "vllm/layer.py").read_text()
     series.export(project)
     assert (project.patches / second).read_bytes() == pulled
