@@ -204,6 +204,13 @@ def _unexported_message(
             f"`python -m harness apply`, then `git -C {tree} cherry-pick "
             f"{since}..{SAVED_BRANCH}` puts them back on top. Nothing was changed."
         )
+    if record is not None and record.stopped is not None:
+        return (
+            f"{tree} has {count} that are not in patches/, made after an apply that stopped "
+            f"at {record.stopped}. Run `{CONTINUE_HINT}` to apply the rest of the series on "
+            f"them, then `python -m harness export`; or set them aside: {keep}. Nothing was "
+            f"changed."
+        )
     if record is not None:
         return (
             f"{tree} has {count} that are not in patches/ (patches/ is unchanged since the "

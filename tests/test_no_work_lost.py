@@ -81,6 +81,8 @@ def test_export_after_a_hand_continued_stop_refuses_and_names_the_rest(project, 
     before = {n: (project.patches / n).read_bytes() for n in names}
     _resolve(project)
     git(project.tree, "am", "--continue", env=_committer_env())  # what git itself advises
+    with pytest.raises(HarnessError, match="apply --continue"):
+        series.apply(project)  # apply over it would drop the resolution: it says what to run
     with pytest.raises(HarnessError) as err:
         series.export(project)
     assert names[2] in str(err.value) and "apply --continue" in str(err.value)
