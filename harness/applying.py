@@ -59,10 +59,12 @@ def already_applied(tree: Path, patch: Path) -> str:
     """
     changes = file_changes(patch)
     paths = sorted({p for c in changes for p in (c.old_path, c.new_path) if p})
+    entries = git(tree, "ls-tree", "-r", "-z", "HEAD", "--", *paths).stdout.split("\0")
     listed = dict(
         (name, blob)
-        for line in git(tree, "ls-tree", "-r", "HEAD", "--", *paths).stdout.splitlines()
-        for blob, name in [line.split(" ", 2)[2].split("\t", 1)]
+        for entry in entries
+        if entry
+        for blob, name in [entry.split(" ", 2)[2].split("\t", 1)]
     )
 
     def in_place(old: str | None, new: str | None, blob: str | None) -> bool:
