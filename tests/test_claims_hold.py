@@ -8,6 +8,7 @@ and no background ``git gc`` outlives a harness command.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 
 import pytest
@@ -122,16 +123,21 @@ def test_matrix_three_way_needs_blobs_a_fork_has(project, commit):
 def test_apply_leaves_no_gc_behind(project, commit, tmp_path):
     commit("[Core] Change value", {"vllm/__init__.py": "VALUE = 2\n"})
     series.export(project)
-    # Enough loose objects for `gc --auto` at the tree's (low) threshold, and a
-    # foreground gc, so a gc that git am starts would have packed them by now.
+    # `gc --auto` estimates loose objects from the ones in objects/17/: a few
+    # there exceed the tree's (low) threshold, and a foreground gc would have
+    # packed them by the time apply returns.
     blobs = tmp_path / "blobs"
     blobs.mkdir()
-    for i in range(3000):
-        (blobs / str(i)).write_text(f"blob {i}\n")
-    paths = "\n".join(str(blobs / str(i)) for i in range(3000)) + "\n"
+    chosen = [
+        text
+        for text in (f"blob {i}\n" for i in range(5000))
+        if hashlib.sha1(f"blob {len(text)}\0{text}".encode()).hexdigest().startswith("17")
+    ][:3]
+    for i, text in enumerate(chosen):
+        (blobs / str(i)).write_text(text)
     subprocess.run(
-        ["git", "-C", str(project.tree), "hash-object", "-w", "--stdin-paths"],
-        input=paths, text=True, capture_output=True, check=True,
+        ["git", "-C", str(project.tree), "hash-object", "-w", *map(str, sorted(blobs.iterdir()))],
+        capture_output=True, check=True,
     )  # fmt: skip
     git(project.tree, "config", "gc.auto", "100")
     git(project.tree, "config", "gc.autoDetach", "false")
