@@ -315,3 +315,15 @@ def test_an_unexported_commit_is_named_with_export_as_the_safe_fix(project, comm
     assert "1 commit(s) that are not in patches/" in str(err.value)
     assert "unchanged since the last apply" in str(err.value)
     assert len(series.export(project)) == 4  # the fix it names loses nothing
+
+
+def test_reset_gets_out_of_a_renamed_series_branch(project, commit):
+    _three(project, commit)
+    series.apply(project)
+    mine = commit("[Core] Not exported", {"vllm/mine.py": "MINE = 1\n"})
+    git(project.tree, "branch", "-m", "series-saved")  # the hint older harnesses gave
+    series.reset(project)
+    assert git(project.tree, "symbolic-ref", "--short", "HEAD").stdout.strip() == "series"
+    assert git(project.tree, "rev-parse", "HEAD").stdout.strip() == project.pin.base_commit
+    assert git(project.tree, "rev-parse", "series-saved").stdout.strip() == mine
+    series.apply(project)
