@@ -103,6 +103,8 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
         env={**os.environ, **({"VLLM_TARGET_DEVICE": "cpu"} if gpu == "none" else {})},
         check=False,
     )
+    if proc.returncode == 5 and pytest_args:
+        raise HarnessError(f"no test of the series matched the pytest arguments {pytest_args}")
     if proc.returncode not in (0, 1) or not junit.exists():
         raise HarnessError(f"pytest could not run the series' tests (exit {proc.returncode})")
     report = parse_junit(junit, tests, gpu)
