@@ -330,8 +330,10 @@ def continue_apply(project: Project) -> list[PatchResult]:
     if record.series_hash != current:
         raise HarnessError(
             f"patches/ changed since the apply that stopped at {record.stopped} (series hash "
-            f"{record.series_hash}, now {current}); finish it with git there and export, or "
-            f"start over with `{RESET_HINT}`"
+            f"{record.series_hash}, now {current}). Finish the stopped `git am` by hand "
+            f"(`git -C {tree} am --continue`) and run `python -m harness apply`, which says "
+            f"how to keep what you resolved on top of the new patches/; or discard it with "
+            f"`{RESET_HINT}`"
         )
     if am_in_progress(tree):
         env = {**committer(project.pin.identity), "GIT_COMMITTER_DATE": _author_date(tree)}
