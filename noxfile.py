@@ -51,7 +51,7 @@ def apply(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def export(session: nox.Session) -> None:
-    """Regenerate patches/ from the tree (`-- --signoff 'Name <email>' --out DIR`: submission)."""
+    """Regenerate patches/ (`-- --force`; `-- --signoff 'Name <email>' --out DIR`: submission)."""
     _harness(session, "export", *session.posargs)
 
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness import build, bundle, document, kernels, lint, matrix, series, test
+from harness import build, bundle, checks, document, kernels, lint, matrix, patches, series, test
 from harness.project import HarnessError, Identity, Project
 
 
@@ -26,7 +26,8 @@ def _cmd_base(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_apply(project: Project, args: argparse.Namespace) -> int:
-    for result in series.apply(project):
+    applied = series.continue_apply(project) if args.resume else series.apply(project)
+    for result in applied:
         print(f"{result.outcome.value:9} {result.patch}")
     return 0
 
@@ -37,13 +38,21 @@ def _cmd_reset(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_export(project: Project, args: argparse.Namespace) -> int:
-    for path in series.export(project, signoff=args.signoff, out=args.out):
+    written = series.export(
+        project, signoff=args.signoff, author=args.author, out=args.out, force=args.force
+    )
+    for path in written:
         print(path)
     return 0
 
 
+def _cmd_range_diff(project: Project, args: argparse.Namespace) -> int:
+    print(series.range_diff(project, args.old, args.new), end="")
+    return 0
+
+
 def _cmd_hash(project: Project, args: argparse.Namespace) -> int:
-    print(series.series_hash(project))
+    print(patches.series_hash(project))
     return 0
 
 
@@ -68,7 +77,7 @@ def _cmd_lint(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_check(project: Project, args: argparse.Namespace) -> int:
-    problems = series.check(project)
+    problems = checks.check(project)
     for problem in problems:
         print(f"check: {problem}")
     print("check: " + ("FAILED" if problems else "round trip, standalone commits and SERIES.md ok"))
@@ -123,11 +132,18 @@ def parser() -> argparse.ArgumentParser:
         return cmd
 
     add("base", _cmd_base, "fetch, verify and materialize the pinned base as a git tree")
-    add(
+    apply = add(
         "apply",
         _cmd_apply,
         "rebuild the `series` branch from the base and apply patches/ in order "
         "(refuses uncommitted or unexported work)",
+    )
+    apply.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="finish a stopped apply (after resolving the conflict and `git add`) and "
+        "apply the rest of the series",
     )
     add("reset", _cmd_reset, "abort a stopped apply and return `series` to the base")
     export = add("export", _cmd_export, "regenerate patches/ from the commits on `series`")
@@ -137,7 +153,30 @@ def parser() -> argparse.ArgumentParser:
         metavar="'NAME <EMAIL>'",
         help="add the submitter's Signed-off-by (needs --out: patches/ stays canonical)",
     )
-    export.add_argument("--out", type=_path, help="write the patches here instead of patches/")
+    export.add_argument(
+        "--author",
+        type=_identity,
+        metavar="'NAME <EMAIL>'",
+        help="the submitter as From: of every patch (needs --out)",
+    )
+    export.add_argument(
+        "--out",
+        type=_path,
+        help="write a submission copy (cover letter, upstream base) here instead of patches/",
+    )
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="write even when patches/ would lose patches or changes (export names them)",
+    )
+    rd = add(
+        "range-diff",
+        _cmd_range_diff,
+        "git range-diff between two versions of the series: `tree` (the tree's series "
+        "branch), `patches` (patches/ on disk) or a revision of this repository",
+    )
+    rd.add_argument("old", nargs="?", default="HEAD", help="old side (default: HEAD)")
+    rd.add_argument("new", nargs="?", default="tree", help="new side (default: tree)")
     add("hash", _cmd_hash, "print the series hash (sha256 of patches/series and the patches)")
     b = add(
         "build", _cmd_build, "build the vLLM wheel of the applied series (python-only by default)"
@@ -155,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
         "run the tests the series adds or changes, from the patched tree, against the "
         "built wheel (GPU tests skip with their reasons on hosts without one)",
     )
-    t.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    t.add_argument("pytest_args", nargs="*", help="extra pytest arguments (`--` optional)")
     add("lint", _cmd_lint, "vLLM's own checks (ruff, typos, mypy, SPDX, ...) on touched files")
     add(
         "check",
@@ -264,7 +303,7 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "--routers", type=_csv, default=["uniform", "skewed"], help="with --preset: uniform,skewed"
     )
     s = add("selftest", _cmd_selftest, "the harness tests that need vLLM (tests/wheel)")
-    s.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
+    s.add_argument("pytest_args", nargs="*", help="extra pytest arguments (`--` optional)")
 
 
 def _cmd_replay(project: Project, args: argparse.Namespace) -> int:
@@ -282,16 +321,12 @@ def _cmd_replay(project: Project, args: argparse.Namespace) -> int:
 def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
     import datetime
 
-    from harness import e2e
+    from harness import e2e, replay
 
     profile = args.profile or "glm-shape-h200"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or project.results / "e2e" / f"{stamp}-{profile}"
-    python = args.python
-    if args.dry_run:
-        python = python or Path("<harness venv>/bin/python")
-    elif python is None:
-        python = test.install_wheel(project, build.built(project))
+    python = replay.server_python(project, args.python, args.dry_run)
     return e2e.main(
         profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
@@ -343,8 +378,24 @@ def _interpreter(value: str) -> Path:
     return Path(value).absolute()
 
 
+# Commands whose further arguments all go to pytest, options included.
+PYTEST_COMMANDS = ("test", "selftest")
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; after ``test`` or ``selftest`` everything is pytest's (a leading
+    ``--`` is dropped), except a lone ``-h``/``--help``."""
+    argv = list(argv)
+    if argv and argv[0] in PYTEST_COMMANDS and argv[1:] not in (["-h"], ["--help"]):
+        rest = argv[1:]
+        args = parser().parse_args(argv[:1])
+        args.pytest_args = rest[1:] if rest[:1] == ["--"] else rest
+        return args
+    return parser().parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     project = Project.discover()
     try:
         return int(args.handler(project, args))

@@ -24,9 +24,10 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-from harness import series
+from harness import patches, series
 from harness.base import fetch
 from harness.project import HarnessError, Project, git, progress, run, sha256_file
+from harness.venv import ensure_venv, uv_env
 
 # Paths whose changes the python-only build cannot carry into the wheel.
 COMPILED_PATHS = ("csrc/", "cmake/", "CMakeLists.txt", "setup.py", "pyproject.toml")
@@ -63,32 +64,6 @@ def compiled_changes(tree: Path, base: str) -> list[str]:
         for n in names
         if any(n.startswith(p) if p.endswith("/") else n == p for p in COMPILED_PATHS)
     ]
-
-
-def venv_python(project: Project) -> Path:
-    return project.work / "venv" / "bin" / "python"
-
-
-def uv_env() -> dict[str, str]:
-    """uv never downloads a Python interpreter for the harness."""
-    return {"UV_PYTHON_DOWNLOADS": "never", "UV_PYTHON_PREFERENCE": "only-system"}
-
-
-def ensure_venv(project: Project, requirements: list[str]) -> Path:
-    """The harness venv (uv), with ``requirements`` installed; reused when unchanged."""
-    python = venv_python(project)
-    if not python.exists():
-        run(["uv", "venv", "--python", project.pin.python, str(python.parent.parent)], env=uv_env())
-    stamp = python.parent.parent / ".harness-requirements"
-    wanted = "\n".join(sorted(requirements))
-    if not stamp.exists() or wanted not in stamp.read_text():
-        run(
-            ["uv", "pip", "install", "--python", str(python), *requirements],
-            env={**uv_env(), "PIP_CONSTRAINT": ""},
-        )
-        with stamp.open("a") as fh:
-            fh.write(wanted + "\n")
-    return python
 
 
 def build_requirements(tree: Path) -> list[str]:
@@ -131,7 +106,7 @@ def build(project: Project, *, full: bool = False, stock_kernels: bool = False) 
     src = project.work / "build" / "src"
     progress(f"snapshot of series ({git(tree, 'rev-parse', '--short', 'HEAD').stdout.strip()})")
     snapshot(tree, src)
-    digest = series.series_hash(project)
+    digest = patches.series_hash(project)
     env = {
         **uv_env(),
         # A local version label ties the wheel to the series it was built from.

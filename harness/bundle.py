@@ -79,8 +79,9 @@ from pathlib import Path, PurePosixPath
 
 from harness import fatbin
 from harness.base import base_commit, fetch
+from harness.patches import series_hash
 from harness.project import HarnessError, Project, git, progress, sha256_file
-from harness.series import series_hash, touched_files, touched_tests
+from harness.touched import touched_files, touched_tests
 
 MiB = 1 << 20
 DEFAULT_MAX_BYTES = 60 * MiB

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from pathlib import Path
 
-from harness import results, series
+from harness import results
+from harness.patches import load_notes, patch_subject, patch_tests, series_files, series_hash
 from harness.project import HarnessError, Project
 
 _BLOCK = re.compile(
@@ -21,26 +21,9 @@ _BLOCK = re.compile(
 )
 
 
-def patch_subject(patch: Path) -> str:
-    """The commit subject of a format-patch file, without ``[PATCH n/m]``."""
-    text = patch.read_text(errors="replace")
-    match = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*(?:\n [^\n]+)*)", text, re.M)
-    if not match:
-        raise HarnessError(f"{patch.name} has no Subject header")
-    return " ".join(match.group(1).split())
-
-
-def patch_tests(patch: Path) -> list[str]:
-    """Test files a patch adds or changes."""
-    names = re.findall(
-        r"^diff --git a/\S+ b/(tests/\S*/test_[^/\s]+\.py)$", patch.read_text(), re.M
-    )
-    return sorted(set(names))
-
-
 def render_header(project: Project) -> str:
     pin = project.pin
-    patches = series.series_files(project)
+    patches = series_files(project)
     return (
         "| | |\n| --- | --- |\n"
         f"| Base | vLLM {pin.release.version} (`{pin.release.tag}`), upstream commit "
@@ -48,15 +31,15 @@ def render_header(project: Project) -> str:
         f"| sdist | `{pin.release.sdist}`, sha256 `{pin.release.sdist_sha256}` |\n"
         f"| Synthetic base commit | `{pin.base_commit}` |\n"
         f"| Pins from the release | torch {pin.torch}, FlashInfer {pin.flashinfer} |\n"
-        f"| Series hash | `{series.series_hash(project)}` ({len(patches)} patches) |\n"
+        f"| Series hash | `{series_hash(project)}` ({len(patches)} patches) |\n"
     )
 
 
 def render_commits(project: Project) -> str:
-    patches = series.series_files(project)
+    patches = series_files(project)
     if not patches:
         return "The series is empty.\n"
-    notes = series.load_notes(project)
+    notes = load_notes(project)
     out = []
     for index, patch in enumerate(patches, 1):
         note = notes[patch.name]

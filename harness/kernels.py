@@ -40,8 +40,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness.build import venv_python
 from harness.project import HarnessError, Project, git, nvidia_smi, progress, run, sha256_file
+from harness.venv import venv_python
 
 HERE = Path(__file__).resolve().parent
 BINDING_SOURCE = HERE / "kernels_binding.cpp"

@@ -16,7 +16,8 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from harness import build, series, test
+from harness import build, series, venv
+from harness.applying import scratch_tree
 from harness.project import HarnessError, Project, git, progress
 
 # Local hooks of vLLM's pre-commit config that take file names, and what they check.
@@ -55,8 +56,9 @@ def lint(project: Project) -> list[str]:
     if not changed:
         progress("the series changes no files; nothing to lint")
         return []
-    python = test.install_wheel(project, build.built(project))
-    build.ensure_venv(project, pinned_tools(tree))
+    info = build.built(project)
+    python = venv.install_wheel(project, info.wheel, info.wheel_sha256)
+    venv.ensure_venv(project, pinned_tools(tree))
     bindir = python.parent
     checks: list[tuple[str, list[str]]] = [
         ("typos", [str(bindir / "typos"), "--force-exclude", *changed]),
@@ -129,6 +131,6 @@ def new_mypy_errors(tree: Path, base: str, files: list[str], python: Path) -> li
         if (tree / f).exists()
         and git(tree, "cat-file", "-e", f"{base}:{f}", check=False).returncode == 0
     ]
-    with series.scratch_tree(tree, base) as before_tree:
+    with scratch_tree(tree, base) as before_tree:
         before = _mypy_errors(before_tree, existing, python) if existing else Counter()
     return sorted((after - before).elements())

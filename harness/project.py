@@ -158,6 +158,12 @@ _GIT_ENV = {
 }
 
 
+# No background `gc --auto` after am or commit: it would still be running, in a
+# tree the harness considers finished, when the next step copies or reads it.
+_GIT_CONFIG = ("-c", "core.autocrlf=false", "-c", "core.abbrev=12", "-c", "gc.auto=0",
+               "-c", "maintenance.auto=false")  # fmt: skip
+
+
 def git(
     repo: Path,
     *args: str,
@@ -167,7 +173,7 @@ def git(
     """Run ``git -C repo args`` with a neutral configuration; capture output."""
     full_env = {**os.environ, **_GIT_ENV, **(env or {})}
     proc = subprocess.run(
-        ["git", "-C", str(repo), "-c", "core.autocrlf=false", "-c", "core.abbrev=12", *args],
+        ["git", "-C", str(repo), *_GIT_CONFIG, *args],
         env=full_env,
         text=True,
         capture_output=True,

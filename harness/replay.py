@@ -21,7 +21,7 @@ vllm.entrypoints.cli.main"`` then runs both ``vllm serve`` and ``vllm bench
 serve``, and ``--python`` names the interpreter whose versions are recorded.
 
 For each arm the runner starts ``vllm serve`` from the harness venv (the built
-wheel of the series, installed by :func:`harness.test.install_wheel`; ``--python``
+wheel of the series, installed by :func:`harness.venv.install_wheel`; ``--python``
 selects another venv, e.g. the stock release for an A/B), in its own process
 group, waits for ``/health`` (bounded), then drives it with vLLM's own client,
 ``vllm bench serve``: random dataset, exact input length (``--random-range-ratio
@@ -936,6 +936,18 @@ def default_out(project: Project, profile: str) -> Path:
     return project.results / "replay" / f"{stamp}-{profile}"
 
 
+def server_python(project: Project, python: Path | None, dry_run: bool) -> Path:
+    """``python``, else the harness venv's with the built wheel installed (a name in a dry run)."""
+    if python is not None:
+        return python
+    if dry_run:
+        return Path("<harness venv>/bin/python")
+    from harness import build, venv
+
+    info = build.built(project)
+    return venv.install_wheel(project, info.wheel, info.wheel_sha256)
+
+
 def server_versions(python: Path) -> dict[str, str]:
     """vLLM, torch and CUDA versions of the interpreter that runs ``vllm serve``."""
     code = (
@@ -982,12 +994,7 @@ def main(
     model: str | None = None
     if profile.server["model"] == SYNTHETIC:
         model = str(out / "checkpoint")
-    if dry_run:
-        python = python or Path("<harness venv>/bin/python")
-    elif python is None:
-        from harness import build, test
-
-        python = test.install_wheel(project, build.built(project))
+    python = server_python(project, python, dry_run)
     vllm = list(vllm_command) or [str(python.parent / "vllm")]
     runner = Runner(profile, experiment, out, vllm, model=model, dry_run=dry_run, port=port)
     if dry_run:

@@ -28,10 +28,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from harness.device_run import BUNDLE_TREE_ENV
+from harness.patches import series_hash
 from harness.project import HarnessError, Project, nvidia_smi
 
 SCHEMA = 1
+# Set by the device bundle's runner (harness/device_run.py, which travels alone and
+# keeps its own copy of the name) to the commit of the tree it ships.
+BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
 REQUIRED = ("command", "date", "host", "gpu", "driver", "cuda", "torch", "python", "base")
 
 
@@ -54,11 +57,9 @@ def _torch() -> tuple[str, str]:
 
 
 def _series(project: Project) -> dict[str, str]:
-    from harness import series
-
     info: dict[str, str] = {}
     try:
-        info["series_hash"] = series.series_hash(project)
+        info["series_hash"] = series_hash(project)
     except (OSError, HarnessError):
         info["series_hash"] = "unknown"
     build_json = project.work / "dist" / "build.json"

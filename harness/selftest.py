@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from harness import build, test
+from harness import build, venv
 from harness.project import HarnessError, Project, progress
 
 WHEEL_TESTS = "tests/wheel"
@@ -22,7 +22,8 @@ WHEEL_TESTS = "tests/wheel"
 
 def run(project: Project, pytest_args: list[str] | None = None) -> int:
     """pytest over ``tests/wheel`` in the harness venv; its exit code (5, nothing ran, is 1)."""
-    python = test.install_wheel(project, build.built(project))
+    info = build.built(project)
+    python = venv.install_wheel(project, info.wheel, info.wheel_sha256)
     progress(f"running {WHEEL_TESTS} with {python}")
     proc = subprocess.run(
         [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", WHEEL_TESTS,

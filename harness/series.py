@@ -5,117 +5,124 @@ Rules that keep the round trip byte-stable and the commit ids machine-independen
 * apply is ``git am --3way --keep-non-patch`` one patch at a time, with the
   pinned committer identity and ``--committer-date-is-author-date``;
 * export is ``git format-patch --zero-commit --no-signature --full-index
-  --numbered --base=<base>``, run with no user git configuration;
-* the work tree is never clobbered: uncommitted changes, commits that were not
-  exported, or a stopped ``git am`` make apply refuse and say what to do.
+  --numbered --base=<base>``, run with no user git configuration.
+
+Rules that keep work from being lost:
+
+* the tree records (:class:`Record`, in its git directory) the series hash
+  and the commits of the last apply or export, so "patches/ changed since"
+  and "commits that were never exported" are told apart, each with a fix
+  that is safe to follow;
+* apply never drops commits that exist nowhere else (uncommitted changes, a
+  stopped ``git am``, commits no other branch holds), and export never drops a
+  patch of ``patches/`` or a change made to it since, unless told ``--force``;
+* a stopped apply is finished with ``apply --continue``, which applies the rest.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import enum
-import hashlib
+import json
 import re
 import shutil
 import tempfile
-import tomllib
+import textwrap
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
+from harness.applying import (
+    Outcome,
+    PatchResult,
+    apply_series,
+    blocking,
+    committer,
+    scratch_tree,
+)
 from harness.base import materialize
+from harness.patches import (
+    PATCH_GLOB,
+    comparable,
+    listed_names,
+    series_files,
+    series_hash,
+    series_listing,
+)
 from harness.project import HarnessError, Identity, Project, git, progress
 
 RESET_HINT = "python -m harness reset"
+CONTINUE_HINT = "python -m harness apply --continue"
+SAVED_BRANCH = "series-saved"
+RECORD = "harness-series.json"
+BEFORE_APPLY = "refs/harness/before-apply"
 
 
-class Outcome(enum.Enum):
-    """How one patch met a tree (the revision matrix uses all of them)."""
-
-    CLEAN = "clean"  # git apply --check succeeds: applies exactly (offsets allowed)
-    THREE_WAY = "3way"  # needed git am's 3-way merge
-    UPSTREAM = "upstream"  # applied as a no-op: the change is already in the tree
-    FAILED = "rebase"  # does not apply: the patch needs a rebase
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchResult:
-    patch: str
-    outcome: Outcome
-    files: tuple[str, ...] = ()
-    detail: str = ""
+# --------------------------------------------------------------------------- record
 
 
 @dataclasses.dataclass(frozen=True)
-class Note:
-    """Hand-written facts about one commit, from ``patches/notes.toml``."""
+class Record:
+    """What the tree's ``series`` branch was made from, kept in the tree's git directory.
 
-    patch: str
-    why: str
-    requires: tuple[int, ...]
-    upstream: str
-    evidence: tuple[str, ...]
+    ``commits[i]`` is the commit of ``patches[i]``; ``stopped`` names the patch
+    a stopped apply left to resolve (the ones after it were not applied).
+    """
 
+    series_hash: str
+    patches: tuple[str, ...]
+    commits: tuple[str, ...]
+    stopped: str | None = None
 
-def series_files(project: Project) -> list[Path]:
-    """The patch files in ``patches/series`` order (blank lines and ``#`` comments ignored)."""
-    listing = project.patches / "series"
-    names = [
-        line.strip()
-        for line in listing.read_text().splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
-    missing = [n for n in names if not (project.patches / n).is_file()]
-    if missing:
-        raise HarnessError(f"patches/series names missing files: {', '.join(missing)}")
-    return [project.patches / n for n in names]
+    @property
+    def head(self) -> str | None:
+        return self.commits[-1] if self.commits else None
 
-
-def series_hash(project: Project) -> str:
-    """sha256 over the series list and every patch, in order (first 12 hex digits)."""
-    digest = hashlib.sha256((project.patches / "series").read_bytes())
-    for patch in series_files(project):
-        digest.update(patch.read_bytes())
-    return digest.hexdigest()[:12]
+    def unapplied(self) -> list[str]:
+        """Patches of the recorded series after the stopped one."""
+        if self.stopped is None:
+            return []
+        return list(self.patches[self.patches.index(self.stopped) + 1 :])
 
 
-def load_notes(project: Project) -> dict[str, Note]:
-    path = project.patches / "notes.toml"
+def _gitdir(tree: Path) -> Path:
+    return Path(git(tree, "rev-parse", "--absolute-git-dir").stdout.strip())
+
+
+def load_record(tree: Path) -> Record | None:
+    path = _gitdir(tree) / RECORD
     if not path.exists():
-        return {}
-    entries = tomllib.loads(path.read_text()).get("commit", [])
-    notes = {
-        e["patch"]: Note(
-            patch=e["patch"],
-            why=e["why"].strip(),
-            requires=tuple(e.get("requires", ())),
-            upstream=e["upstream"],
-            evidence=tuple(e.get("evidence", ())),
-        )
-        for e in entries
-    }
-    names = [p.name for p in series_files(project)]
-    if stray := sorted(set(notes) - set(names)):
-        raise HarnessError(f"patches/notes.toml describes patches not in the series: {stray}")
-    if missing := [n for n in names if n not in notes]:
-        raise HarnessError(f"patches/notes.toml has no entry for: {missing}")
-    return notes
+        return None
+    data = json.loads(path.read_text())
+    return Record(
+        series_hash=data["series_hash"],
+        patches=tuple(data["patches"]),
+        commits=tuple(data["commits"]),
+        stopped=data.get("stopped"),
+    )
+
+
+def save_record(tree: Path, record: Record) -> None:
+    (_gitdir(tree) / RECORD).write_text(json.dumps(dataclasses.asdict(record), indent=2) + "\n")
+
+
+def _commits(tree: Path, base: str, head: str = "HEAD") -> list[str]:
+    return git(tree, "rev-list", "--reverse", f"{base}..{head}").stdout.split()
 
 
 # --------------------------------------------------------------------------- guards
 
 
-def _am_in_progress(tree: Path) -> bool:
-    gitdir = Path(git(tree, "rev-parse", "--absolute-git-dir").stdout.strip())
-    return (gitdir / "rebase-apply").exists()
+def am_in_progress(tree: Path) -> bool:
+    return (_gitdir(tree) / "rebase-apply").exists()
 
 
 def ensure_clean(tree: Path) -> None:
     """Refuse a tree with a stopped ``git am`` or uncommitted changes."""
-    if _am_in_progress(tree):
+    if am_in_progress(tree):
         raise HarnessError(
-            f"{tree} has a stopped `git am`. Finish it there (git am --continue) "
-            f"and run `python -m harness export`, or discard it with `{RESET_HINT}`."
+            f"{tree} has a stopped `git am`. Resolve the conflict there, `git add` the "
+            f"files and run `{CONTINUE_HINT}` (it applies the rest of the series), or "
+            f"discard it with `{RESET_HINT}`."
         )
     status = git(tree, "status", "--porcelain", "--untracked-files=normal").stdout
     if status.strip():
@@ -126,124 +133,135 @@ def ensure_clean(tree: Path) -> None:
         )
 
 
-def _comparable(patch: Path) -> bytes:
-    """Patch bytes without what depends on the series length: ``[PATCH n/m]`` and base info."""
-    text = patch.read_bytes()
-    text = re.sub(rb"(?m)^Subject: \[PATCH[^\]]*\]", b"Subject: [PATCH]", text)
-    return text.split(b"\nbase-commit: ", 1)[0]
-
-
-def ensure_exported(project: Project, tree: Path, base: str) -> None:
-    """Refuse when a commit on top of ``base`` is not in ``patches/``.
-
-    The tree's commits must reproduce the first patches of the series (a
-    stopped or partial apply leaves such a prefix); anything else would be lost
-    by rebuilding the branch.
-    """
+def matches_patches(project: Project, tree: Path, base: str) -> bool:
+    """Whether the commits ``base..HEAD`` reproduce the first patches of ``patches/``."""
     listed = series_files(project)
     with tempfile.TemporaryDirectory() as tmp:
         exported = format_patches(tree, base, Path(tmp))
-        same = len(exported) <= len(listed) and all(
-            mine.name == theirs.name and _comparable(mine) == _comparable(theirs)
+        return len(exported) <= len(listed) and all(
+            mine.name == theirs.name
+            and comparable(mine.read_bytes()) == comparable(theirs.read_bytes())
             for mine, theirs in zip(exported, listed, strict=False)
         )
-    if not same:
+
+
+def _held_elsewhere(tree: Path) -> list[str]:
+    """Branches and tags other than ``series`` that contain ``HEAD``."""
+    refs = git(
+        tree, "for-each-ref", "--contains", "HEAD", "--format=%(refname:short)",
+        "refs/heads", "refs/tags",
+    ).stdout.split()  # fmt: skip
+    return [r for r in refs if r != "series"]
+
+
+def _changed_since(record: Record | None, current: str) -> bool:
+    return record is not None and record.series_hash != current
+
+
+def _own_commits(record: Record | None, tree: Path, base: str) -> list[str]:
+    """Commits on ``series`` that the last apply or export did not make."""
+    commits = _commits(tree, base)
+    if record is None:
+        return commits
+    known = set(record.commits)
+    return [c for c in commits if c not in known]
+
+
+def ensure_exported(project: Project, tree: Path, base: str) -> None:
+    """Refuse unless the commits on ``base`` reproduce (a prefix of) ``patches/``.
+
+    The build uses this: a wheel labelled with the series hash must be built
+    from that series. The message says which side moved, and the fix for it.
+    """
+    if matches_patches(project, tree, base):
+        return
+    record, current = load_record(tree), series_hash(project)
+    own = _own_commits(record, tree, base)
+    if _changed_since(record, current) and not own:
+        assert record is not None
         raise HarnessError(
-            f"{tree} has commits that are not in patches/ (or patches/ changed since "
-            f"they were applied). Run `python -m harness export` to keep the commits, "
-            f"or `git -C {tree} branch -m series-saved` to set them aside; nothing was "
+            f"patches/ changed since {tree} was applied (series hash {record.series_hash}, "
+            f"now {current}); run `python -m harness apply` to rebuild it. Nothing was changed."
+        )
+    raise HarnessError(_unexported_message(project, tree, record, current, own))
+
+
+def _unexported_message(
+    project: Project, tree: Path, record: Record | None, current: str, own: list[str]
+) -> str:
+    count = f"{len(own)} commit(s)" if own else "commits"
+    keep = (
+        f"`git -C {tree} branch {SAVED_BRANCH}` keeps a copy of them on another branch "
+        f"(`series` stays checked out), after which apply may rebuild `series`"
+    )
+    if record is not None and _changed_since(record, current):
+        since = record.head or project.pin.base_commit
+        return (
+            f"{tree} has {count} that are not in patches/, and patches/ changed since the "
+            f"last apply (series hash {record.series_hash}, now {current}). Exporting would "
+            f"overwrite that change and applying would drop the commits. Keep them with "
+            f"`git -C {tree} branch {SAVED_BRANCH}` (`series` stays checked out), run "
+            f"`python -m harness apply`, then `git -C {tree} cherry-pick "
+            f"{since}..{SAVED_BRANCH}` puts them back on top. Nothing was changed."
+        )
+    if record is not None and record.stopped is not None:
+        return (
+            f"{tree} has {count} that are not in patches/, made after an apply that stopped "
+            f"at {record.stopped}. Run `{CONTINUE_HINT}` to apply the rest of the series on "
+            f"them, then `python -m harness export`; or set them aside: {keep}. Nothing was "
             f"changed."
         )
+    if record is not None:
+        return (
+            f"{tree} has {count} that are not in patches/ (patches/ is unchanged since the "
+            f"last apply). Run `python -m harness export` to keep them in patches/, or "
+            f"set them aside: {keep}. Nothing was changed."
+        )
+    return (
+        f"{tree} has {count} that are not in patches/ (or patches/ changed since they "
+        f"were applied; this tree has no record of its last apply to tell which). {keep}; "
+        f"or, if patches/ has no changes of its own, `python -m harness export` keeps "
+        f"them in patches/. Nothing was changed."
+    )
+
+
+def ensure_nothing_lost(project: Project, tree: Path, base: str) -> None:
+    """Refuse to rebuild ``series`` when that would make commits unreachable."""
+    if git(tree, "rev-parse", "HEAD").stdout.strip() == base or _held_elsewhere(tree):
+        return
+    if matches_patches(project, tree, base):
+        return
+    record, current = load_record(tree), series_hash(project)
+    own = _own_commits(record, tree, base)
+    if record is not None and not own:
+        # The tree is what the recorded series made; keep it reachable anyway.
+        git(tree, "update-ref", BEFORE_APPLY, "HEAD")
+        progress(
+            f"patches/ changed since the last apply (series hash {record.series_hash}, now "
+            f"{current}); the tree holds nothing else, rebuilding it (the previous tree "
+            f"stays reachable as {BEFORE_APPLY})"
+        )
+        return
+    raise HarnessError(_unexported_message(project, tree, record, current, own))
+
+
+def _ensure_on_series(tree: Path, base_tag: str) -> None:
+    branch = git(tree, "symbolic-ref", "--short", "-q", "HEAD", check=False).stdout.strip()
+    if branch == "series":
+        return
+    exists = git(tree, "rev-parse", "-q", "--verify", "refs/heads/series", check=False)
+    fix = (
+        f"git -C {tree} checkout series"
+        if exists.returncode == 0
+        else f"git -C {tree} checkout -b series {base_tag}"
+    )
+    raise HarnessError(
+        f"{tree} has {branch or 'a detached HEAD'} checked out, not `series`; run "
+        f"`{fix}` first (nothing was changed)"
+    )
 
 
 # --------------------------------------------------------------------------- apply
-
-
-def _hunk_context(patch: Path, path: str, line: int) -> str:
-    """The hunk of ``patch`` that touches ``path`` at old line ``line``."""
-    text = patch.read_text(errors="replace")
-    section = re.search(
-        rf"^diff --git a/{re.escape(path)} b/.*?(?=^diff --git |^-- ?$|\Z)", text, re.M | re.S
-    )
-    if not section:
-        return ""
-    hunks = re.split(r"(?m)^(?=@@ )", section.group(0))[1:]
-    for hunk in hunks:
-        header = re.match(r"@@ -(\d+)", hunk)
-        if header and int(header.group(1)) == line:
-            return hunk.rstrip()
-    return hunks[0].rstrip() if hunks else ""
-
-
-def _failure(patch: Path, check_output: str, am_output: str) -> PatchResult:
-    files = tuple(dict.fromkeys(re.findall(r"patch failed: (.+?):\d+", check_output)))
-    conflicts = re.findall(r"CONFLICT \([^)]*\): .*? in (\S+)", am_output)
-    files = tuple(dict.fromkeys(files + tuple(conflicts)))
-    lines = [f"{patch.name} does not apply."]
-    if files:
-        lines.append("files: " + ", ".join(files))
-    for path, line in re.findall(r"patch failed: (.+?):(\d+)", check_output)[:1]:
-        if hunk := _hunk_context(patch, path, int(line)):
-            lines += [f"first failing hunk ({path}):", hunk]
-    lines.append("git am said:\n" + am_output.strip())
-    return PatchResult(patch.name, Outcome.FAILED, files, "\n".join(lines))
-
-
-def _committer(identity: Identity) -> dict[str, str]:
-    """The pinned committer (the date comes from each patch: --committer-date-is-author-date)."""
-    return {"GIT_COMMITTER_NAME": identity.name, "GIT_COMMITTER_EMAIL": identity.email}
-
-
-def apply_patch(tree: Path, patch: Path, identity: Identity, *, abort: bool) -> PatchResult:
-    """Apply one patch as one commit and classify how it went.
-
-    On failure the ``git am`` is aborted when ``abort`` is true; otherwise it is
-    left stopped for the user to inspect.
-    """
-    committer = _committer(identity)
-    check = git(tree, "apply", "--check", "--verbose", str(patch), check=False)
-    head = git(tree, "rev-parse", "HEAD").stdout.strip()
-    am = git(
-        tree,
-        "am",
-        "--3way",
-        "--keep-non-patch",
-        "--committer-date-is-author-date",
-        "--quiet",
-        str(patch),
-        env=committer,
-        check=False,
-    )
-    if am.returncode != 0:
-        reverse = git(tree, "apply", "--check", "--reverse", str(patch), check=False)
-        if reverse.returncode == 0:
-            # Without the patch's pre-image blobs am cannot see that the change is
-            # already there; the reverse patch applying cleanly shows it.
-            git(tree, "am", "--abort", env=committer)
-            return PatchResult(patch.name, Outcome.UPSTREAM, detail="its reverse applies")
-        result = _failure(patch, check.stderr + check.stdout, am.stdout + am.stderr)
-        if abort:
-            git(tree, "am", "--abort", env=committer)
-        return result
-    if git(tree, "rev-parse", "HEAD").stdout.strip() == head:
-        return PatchResult(patch.name, Outcome.UPSTREAM, detail="applied as a no-op")
-    touched = tuple(git(tree, "diff", "--name-only", "HEAD~1", "HEAD").stdout.split())
-    outcome = Outcome.CLEAN if check.returncode == 0 else Outcome.THREE_WAY
-    return PatchResult(patch.name, outcome, touched)
-
-
-def apply_series(
-    tree: Path, patches: Sequence[Path], identity: Identity, *, abort: bool
-) -> list[PatchResult]:
-    """Apply ``patches`` in order on the checked-out branch; stop at the first failure."""
-    results = []
-    for index, patch in enumerate(patches, 1):
-        progress(f"applying [{index}/{len(patches)}] {patch.name}")
-        result = apply_patch(tree, patch, identity, abort=abort)
-        results.append(result)
-        if result.outcome is Outcome.FAILED:
-            break
-    return results
 
 
 def prepare(project: Project) -> tuple[Path, str]:
@@ -260,60 +278,133 @@ def prepare(project: Project) -> tuple[Path, str]:
     return tree, base
 
 
+def _apply_and_record(
+    project: Project, tree: Path, patches: list[Path], done: Sequence[str]
+) -> list[PatchResult]:
+    """Apply ``patches`` on HEAD (after ``done``, already applied) and record the outcome."""
+    names = [p.name for p in series_files(project)]
+    results = apply_series(tree, patches, project.pin.identity, abort=False)
+    stopped = next((r.patch for r in results if r.outcome is Outcome.FAILED), None)
+    base = project.pin.base_commit
+    commits = list(done) + _commits(tree, done[-1] if done else base)
+    save_record(tree, Record(series_hash(project), tuple(names), tuple(commits), stopped))
+    return results
+
+
 def apply(project: Project) -> list[PatchResult]:
     """``python -m harness apply``: rebuild the ``series`` branch from the base and apply."""
     tree, base = prepare(project)
     ensure_clean(tree)
-    branch = git(tree, "symbolic-ref", "--short", "-q", "HEAD", check=False).stdout.strip()
-    if branch != "series":
-        raise HarnessError(
-            f"{tree} has {branch or 'a detached HEAD'} checked out, not `series`; "
-            f"check out `series` there first (nothing was changed)"
-        )
-    head = git(tree, "rev-parse", "HEAD").stdout.strip()
-    if head != base:
-        ensure_exported(project, tree, base)
+    _ensure_on_series(tree, project.pin.release.tag)
+    ensure_nothing_lost(project, tree, base)
     git(tree, "reset", "-q", "--hard", base)
-    results = apply_series(tree, series_files(project), project.pin.identity, abort=False)
+    results = _apply_and_record(project, tree, series_files(project), [])
+    _raise_for(results, stopped=True)
+    return results
+
+
+def _author_date(tree: Path) -> str:
+    """The author date of the patch a stopped ``git am`` is applying."""
+    script = (_gitdir(tree) / "rebase-apply" / "author-script").read_text()
+    match = re.search(r"^GIT_AUTHOR_DATE='([^']*)'", script, re.M)
+    if not match:
+        raise HarnessError("the stopped git am has no author date")
+    return match.group(1)
+
+
+def continue_apply(project: Project) -> list[PatchResult]:
+    """``python -m harness apply --continue``: finish a stopped apply, then apply the rest.
+
+    The stopped ``git am`` is continued with the pinned committer and the
+    patch's author date as commit date (plain ``git am --continue`` would use
+    the clock); when it was already continued by hand, the rest is applied on
+    what it committed.
+    """
+    tree, base = prepare(project)
+    record = load_record(tree)
+    if record is None or record.stopped is None:
+        raise HarnessError(
+            "nothing to continue: the last apply did not stop; run `python -m harness apply`"
+        )
+    current = series_hash(project)
+    if record.series_hash != current:
+        raise HarnessError(
+            f"patches/ changed since the apply that stopped at {record.stopped} (series hash "
+            f"{record.series_hash}, now {current}). Finish the stopped `git am` by hand "
+            f"(`git -C {tree} am --continue`) and run `python -m harness apply`, which says "
+            f"how to keep what you resolved on top of the new patches/; or discard it with "
+            f"`{RESET_HINT}`"
+        )
+    if am_in_progress(tree):
+        env = {**committer(project.pin.identity), "GIT_COMMITTER_DATE": _author_date(tree)}
+        done = git(tree, "am", "--continue", env=env, check=False)
+        if done.returncode != 0:
+            raise HarnessError(
+                f"git am --continue failed in {tree}; resolve the conflicts, `git add` the "
+                f"files and run `{CONTINUE_HINT}` again, or `{RESET_HINT}`.\n"
+                + (done.stdout + done.stderr).strip()
+            )
+    ensure_clean(tree)
+    applied = list(record.commits)
+    if applied and applied[-1] not in [*_commits(tree, base), base]:
+        raise HarnessError(
+            f"{tree} no longer holds the commits the stopped apply made; nothing to continue"
+        )
+    done_commits = _commits(tree, base)
+    resolved = done_commits[len(applied) :]
+    rest = [project.patches / name for name in record.unapplied()]
+    progress(
+        f"{record.stopped}: "
+        + ("resolved" if resolved else "skipped (no commit was made for it)")
+        + f"; applying {len(rest)} more"
+    )
+    results = _apply_and_record(project, tree, rest, done_commits)
     _raise_for(results, stopped=True)
     return results
 
 
 def _raise_for(results: Sequence[PatchResult], *, stopped: bool) -> None:
-    for result in results:
-        if result.outcome is Outcome.FAILED:
-            hint = (
-                f"\nThe tree is left at the stopped `git am` for inspection; "
-                f"`{RESET_HINT}` returns it to the base."
-                if stopped
-                else ""
-            )
-            raise HarnessError(result.detail + hint)
-        if result.outcome is Outcome.UPSTREAM:
-            raise HarnessError(
-                f"{result.patch} is already upstream in this base (it applied as a "
-                f"no-op); drop it from patches/series."
-            )
+    result = blocking(results)
+    if result is None:
+        return
+    if result.outcome is Outcome.FAILED:
+        hint = (
+            f"\nThe tree is left at the stopped `git am`: resolve it there, `git add` the "
+            f"files and run `{CONTINUE_HINT}`; `{RESET_HINT}` returns it to the base."
+            if stopped
+            else ""
+        )
+        raise HarnessError(result.detail + hint)
+    raise HarnessError(
+        f"{result.patch} is already upstream in this base ({result.detail}); drop it "
+        f"from patches/series."
+    )
 
 
 def reset(project: Project) -> None:
     """``python -m harness reset``: abort a stopped apply and return ``series`` to the base."""
     tree, base = prepare(project)
-    if _am_in_progress(tree):
+    if am_in_progress(tree):
         progress("aborting the stopped git am")
-        git(tree, "am", "--abort", env=_committer(project.pin.identity))
+        git(tree, "am", "--abort", env=committer(project.pin.identity))
     ensure_clean(tree)
-    head = git(tree, "rev-parse", "HEAD").stdout.strip()
-    if head != base:
-        ensure_exported(project, tree, base)
+    branch = git(tree, "symbolic-ref", "--short", "-q", "HEAD", check=False).stdout.strip()
+    if branch != "series":
+        has_series = git(tree, "rev-parse", "-q", "--verify", "refs/heads/series", check=False)
+        if has_series.returncode == 0:
+            # Back to `series` first, so its commits get the same protection.
+            git(tree, "checkout", "-q", "series")
+    if git(tree, "rev-parse", "-q", "--verify", "refs/heads/series", check=False).returncode == 0:
+        ensure_nothing_lost(project, tree, base)
     git(tree, "checkout", "-q", "-B", "series", base)
+    save_record(tree, Record(series_hash(project), (), ()))
 
 
 # --------------------------------------------------------------------------- export
 
 
 def format_patches(
-    tree: Path, base: str, out: Path, *, signoff: Identity | None = None
+    tree: Path, base: str, out: Path, *, signoff: Identity | None = None, cover: bool = False
 ) -> list[Path]:
     """Write the commits ``base..HEAD`` of ``tree`` as numbered patch files into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -330,6 +421,8 @@ def format_patches(
         "-o",
         str(out),
     ]
+    if cover:
+        args.append("--cover-letter")
     env = None
     if signoff is not None:
         args.append("--signoff")
@@ -338,126 +431,235 @@ def format_patches(
     return [Path(n) for n in names]
 
 
-SERIES_HEADER = (
-    "# Patch order for `python -m harness apply` (git am --3way --keep-non-patch).\n"
-    "# Generated by `python -m harness export`; do not edit by hand.\n"
-)
+def _diff_part(text: bytes) -> bytes:
+    """A patch's change without its message: from the first ``diff --git`` on."""
+    start = text.find(b"\ndiff --git ")
+    return comparable(text[start:]) if start >= 0 else b""
+
+
+def _uncommitted_patch_files(project: Project) -> list[str]:
+    """Patch files and ``patches/series`` with changes the project's git has not committed."""
+    inside = git(project.root, "rev-parse", "--is-inside-work-tree", check=False)
+    if inside.returncode != 0 or inside.stdout.strip() != "true":
+        return []
+    status = git(
+        project.root, "status", "--porcelain", "--untracked-files=all", "--", "patches"
+    ).stdout.splitlines()
+    names = [line[3:] for line in status]
+    return [n for n in names if n.endswith((".patch", "/series"))]
+
+
+def _export_refusals(project: Project, tree: Path, written: list[Path]) -> list[str]:
+    """What regenerating ``patches/`` from ``written`` would lose (empty: nothing)."""
+    problems = []
+    record, current = load_record(tree), series_hash(project)
+    if record is not None and record.stopped is not None:
+        problems.append(
+            f"the last apply stopped at {record.stopped}, so the tree lacks "
+            f"{', '.join(record.unapplied()) or 'no later patch'}; run `{CONTINUE_HINT}` "
+            f"to apply the rest"
+        )
+    if _changed_since(record, current):
+        assert record is not None
+        problems.append(
+            f"patches/ changed since the last apply (series hash {record.series_hash}, now "
+            f"{current}, for example by a pull); exporting would replace that change with "
+            f"the tree's older commits. Run `python -m harness apply` first (it says how to "
+            f"keep commits of your own)"
+        )
+    elif record is None and (dirty := _uncommitted_patch_files(project)):
+        problems.append(
+            "patches/ has changes that are not committed and that this tree did not "
+            f"produce: {', '.join(dirty)}"
+        )
+    new = {_diff_part(p.read_bytes()) for p in written}
+    new_names = {p.name for p in written}
+    gone = [
+        p.name
+        for p in series_files(project)
+        if p.name not in new_names and _diff_part(p.read_bytes()) not in new
+    ]
+    if gone and not problems:
+        problems.append(
+            "the tree has no commit for " + ", ".join(gone) + "; export would delete them"
+        )
+    return problems
+
+
+def _check_out_dir(project: Project, out: Path) -> None:
+    """A submission copy goes to its own folder, and leaves nothing stale there."""
+    if out.resolve() == project.patches.resolve():
+        raise HarnessError(
+            "--out is patches/: a submission copy never replaces the canonical patches; "
+            "give another folder"
+        )
+    if not out.exists():
+        return
+    ours = {"series", "0000-cover-letter.patch"}
+    stray = sorted(p.name for p in out.iterdir() if not (p.name in ours or p.match(PATCH_GLOB)))
+    if stray:
+        raise HarnessError(
+            f"{out} holds files export did not write ({', '.join(stray)}); give an empty "
+            f"or new folder"
+        )
+    for old in out.iterdir():
+        old.unlink()
+
+
+def upstream_base(project: Project, tree: Path) -> str:
+    """The release's upstream commit as its sdist records it (``vllm/_version.py``)."""
+    tag = project.pin.release.tag
+    shown = git(tree, "show", f"{tag}:vllm/_version.py", check=False)
+    match = re.search(r"commit_id = '(?:g)?([0-9a-f]+)'", shown.stdout)
+    return match.group(1) if match else ""
+
+
+def _submission(project: Project, tree: Path, written: list[Path], author: Identity | None) -> None:
+    """Rewrite a submission copy: the submitter as author, upstream's base in place of ours."""
+    pin = project.pin
+    upstream = upstream_base(project, tree)
+    full = len(upstream) == 40
+    for path in written:
+        text = path.read_text()
+        head, sep, body = text.partition("\n\n")
+        if author is not None:
+            sender = f"From: {author.name} <{author.email}>"
+            head = re.sub(r"(?m)^From: .*(?:\n[ \t].*)*$", sender, head)
+        text = head + sep + body
+        if full:
+            text = text.replace(f"base-commit: {pin.base_commit}", f"base-commit: {upstream}")
+        else:
+            text = re.sub(rf"\nbase-commit: {pin.base_commit}\n", "\n", text)
+        if path.name == "0000-cover-letter.patch":
+            where = (
+                f"Based on vLLM {pin.release.version} (tag {pin.release.tag}, upstream "
+                f"commit {upstream})."
+                if full
+                else f"Based on vLLM {pin.release.version}, tag {pin.release.tag} (upstream "
+                f"commit {upstream or 'unknown'}: its sdist records only this short id, so "
+                f"the patches carry no base-commit line)."
+            )
+            text = text.replace(
+                "*** BLURB HERE ***", "*** BLURB HERE ***\n\n" + textwrap.fill(where, 72), 1
+            )
+            if author is not None:  # the shortlog groups by the commits' (project) author
+                text = re.sub(
+                    rf"(?m)^{re.escape(pin.identity.name)} (\(\d+\):)$", rf"{author.name} \1", text
+                )
+        path.write_text(text)
 
 
 def export(
-    project: Project, *, signoff: Identity | None = None, out: Path | None = None
+    project: Project,
+    *,
+    signoff: Identity | None = None,
+    author: Identity | None = None,
+    out: Path | None = None,
+    force: bool = False,
 ) -> list[Path]:
     """``python -m harness export``: regenerate ``patches/`` (or ``out``) from the tree.
 
-    With ``signoff`` the submitter's ``Signed-off-by`` is added; such a series
-    differs from ``patches/`` by design, so it must go to ``out``.
+    Regenerating ``patches/`` refuses, unless ``force``, when it would lose
+    something: patches of a stopped apply that were never applied, a change
+    made to ``patches/`` since the tree was applied, or a listed patch the
+    tree has no commit for. With ``signoff`` or ``author`` it writes a
+    submission copy instead, which must go to ``out`` (never ``patches/``): the
+    submitter's ``Signed-off-by`` and ``From:``, a cover letter, and the
+    release's upstream commit in place of the synthetic base.
     """
-    if signoff is not None and out is None:
-        raise HarnessError("--signoff writes a submission copy: give it --out DIR")
+    if (signoff is not None or author is not None) and out is None:
+        raise HarnessError("--signoff and --author write a submission copy: give it --out DIR")
     tree, base = prepare(project)
     ensure_clean(tree)
-    target = out or project.patches
-    if out is None:
-        for old in project.patches.glob("[0-9][0-9][0-9][0-9]-*.patch"):
+    if out is not None:
+        record = load_record(tree)
+        if record is not None and record.stopped is not None and not force:
+            raise HarnessError(
+                f"the last apply stopped at {record.stopped}; the tree lacks "
+                f"{', '.join(record.unapplied())}. Run `{CONTINUE_HINT}` first (or --force)"
+            )
+        _check_out_dir(project, out)
+        written = format_patches(tree, base, out, signoff=signoff, cover=True)
+        _submission(project, tree, written, author)
+        patches = [p.name for p in written if p.name != "0000-cover-letter.patch"]
+        (out / "series").write_text(series_listing(patches))
+        progress(f"exported a submission copy of {len(patches)} patch(es) to {out}")
+        return written
+    with _staged(project) as staging:
+        written = format_patches(tree, base, staging)
+        if not force and (problems := _export_refusals(project, tree, written)):
+            raise HarnessError(
+                "export would lose work, so patches/ was left as it is:\n- "
+                + "\n- ".join(problems)
+                + "\n(`python -m harness export --force` writes the tree's commits anyway.)"
+            )
+        for old in project.patches.glob(PATCH_GLOB):
             old.unlink()
-    written = format_patches(tree, base, target, signoff=signoff)
-    listing = SERIES_HEADER + "".join(f"{p.name}\n" for p in written)
-    (target / "series").write_text(listing)
-    progress(f"exported {len(written)} patch(es) to {target}")
-    return written
-
-
-# --------------------------------------------------------------------------- check
-
-
-@contextlib.contextmanager
-def scratch_tree(tree: Path, commit: str) -> Iterator[Path]:
-    """A throw-away worktree of ``tree`` detached at ``commit``."""
-    tmp = Path(tempfile.mkdtemp(prefix="harness-wt-"))
-    path = tmp / "tree"
-    git(tree, "worktree", "add", "-q", "--detach", str(path), commit)
-    try:
-        yield path
-    finally:
-        git(tree, "worktree", "remove", "--force", str(path), check=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-        git(tree, "worktree", "prune", check=False)
-
-
-def check_round_trip(project: Project, tree: Path, base: str) -> list[str]:
-    """Apply the series in a scratch tree, export it, and compare with ``patches/``."""
-    problems = []
-    patches = series_files(project)
-    with scratch_tree(tree, base) as work, tempfile.TemporaryDirectory() as tmp:
-        results = apply_series(work, patches, project.pin.identity, abort=True)
-        try:
-            _raise_for(results, stopped=False)
-        except HarnessError as exc:
-            return [str(exc)]
-        out = Path(tmp)
-        written = format_patches(work, base, out)
-        if [p.name for p in written] != [p.name for p in patches]:
-            problems.append(f"export names {[p.name for p in written]} differ from patches/series")
-        for patch in patches:
-            regenerated = out / patch.name
-            if regenerated.exists() and regenerated.read_bytes() != patch.read_bytes():
-                problems.append(f"{patch.name} does not round-trip byte for byte")
-    return problems
-
-
-def check(project: Project) -> list[str]:
-    """``python -m harness check``: round trip, standalone commits, fresh SERIES.md."""
-    from harness import document, results
-
-    tree, base = prepare(project)
-    problems = check_round_trip(project, tree, base)
-    problems += results.check_all(project.root)
-    problems += check_standalone(project, tree, base)
-    problems += [
-        f"{name}: generated blocks are stale; run `python -m harness doc`"
-        for name in document.stale(project)
-    ]
-    return problems
-
-
-def check_standalone(project: Project, tree: Path, base: str) -> list[str]:
-    """Apply each patch alone on the base its note names (bare base, or base + prerequisites)."""
-    problems = []
-    patches = series_files(project)
-    for index, note in enumerate(load_notes(project).values(), 1):
-        prereqs = [patches[i - 1] for i in note.requires]
-        with scratch_tree(tree, base) as work:
-            results = apply_series(
-                work, [*prereqs, patches[index - 1]], project.pin.identity, abort=True
-            )
-        last = results[-1]
-        if len(results) != len(prereqs) + 1 or last.outcome in (Outcome.FAILED, Outcome.UPSTREAM):
-            where = (
-                "the bare base"
-                if not prereqs
-                else "base + " + ", ".join(f"{i:04d}" for i in note.requires)
-            )
-            problems.append(f"{note.patch} does not apply alone on {where}: {last.detail}")
-    return problems
-
-
-def touched_files(tree: Path, base: str, revision: str = "HEAD", under: str = "tests") -> list[str]:
-    """Files below ``under`` that ``base..revision`` adds or changes."""
-    return sorted(
-        git(
-            tree, "diff", "--name-only", "--diff-filter=AM", f"{base}..{revision}", "--", under
-        ).stdout.split()
+        final = []
+        for path in written:
+            shutil.move(str(path), project.patches / path.name)
+            final.append(project.patches / path.name)
+    (project.patches / "series").write_text(series_listing([p.name for p in final]))
+    save_record(
+        tree,
+        Record(series_hash(project), tuple(p.name for p in final), tuple(_commits(tree, base))),
     )
+    progress(f"exported {len(final)} patch(es) to {project.patches}")
+    return final
 
 
-def touched_tests(tree: Path, base: str, revision: str = "HEAD") -> list[str]:
-    """Test files (``tests/**/test_*.py``) that ``base..revision`` adds or changes.
+@contextmanager
+def _staged(project: Project) -> Iterator[Path]:
+    tmp = Path(tempfile.mkdtemp(prefix="harness-export-"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
-    ``revision`` defaults to the checked-out commit (``harness test``); the
-    device bundle passes the commit it packs.
+
+# --------------------------------------------------------------------------- range-diff
+
+
+def _patches_at(project: Project, revision: str, dest: Path) -> list[Path]:
+    """The series of ``patches/`` as committed at project ``revision``, written into ``dest``."""
+    listing = git(project.root, "show", f"{revision}:patches/series", check=False)
+    if listing.returncode != 0:
+        raise HarnessError(f"no patches/series at {revision}: {listing.stderr.strip()}")
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "series").write_text(listing.stdout)
+    files = []
+    for name in listed_names(dest):
+        shown = git(project.root, "show", f"{revision}:patches/{name}")
+        (dest / name).write_text(shown.stdout)
+        files.append(dest / name)
+    return files
+
+
+def range_diff(project: Project, old: str = "HEAD", new: str = "tree") -> str:
+    """``python -m harness range-diff``: ``git range-diff`` between two versions of the series.
+
+    Each side is ``tree`` (the tree's ``series`` branch), ``patches`` (patches/
+    as it is on disk), or a revision of this repository (its committed
+    patches/). The default compares the committed series with the tree, the
+    review of a new version before it is exported.
     """
-    return [
-        n
-        for n in touched_files(tree, base, revision)
-        if Path(n).name.startswith("test_") and n.endswith(".py")
-    ]
+    tree, base = prepare(project)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        _side(project, tree, base, old, Path(tmp) / "old") as a,
+        _side(project, tree, base, new, Path(tmp) / "new") as b,
+    ):
+        return git(tree, "range-diff", "--no-color", f"{base}..{a}", f"{base}..{b}").stdout
+
+
+@contextmanager
+def _side(project: Project, tree: Path, base: str, spec: str, tmp: Path) -> Iterator[str]:
+    if spec == "tree":
+        yield git(tree, "rev-parse", "refs/heads/series").stdout.strip()
+        return
+    files = series_files(project) if spec == "patches" else _patches_at(project, spec, tmp)
+    with scratch_tree(tree, base) as work:
+        results = apply_series(work, files, project.pin.identity, abort=True)
+        if (stop := blocking(results)) is not None:
+            raise HarnessError(f"the series at {spec} does not apply: {stop.detail}")
+        yield git(work, "rev-parse", "HEAD").stdout.strip()

@@ -19,16 +19,9 @@ import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from harness import build, results, series
-from harness.project import HarnessError, Project, git, progress, run
-
-# What vLLM's tests/conftest.py imports beyond vLLM's own dependencies.
-TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib"]
-
-# Left alone, the resolver satisfies flashinfer-python's `cuda-python>=12.0`
-# with 12.6, whose files overwrite cuda-bindings 13 that torch and the CUTLASS
-# DSL (pinned by vLLM) need; ModelOpt configs then fail to import.
-WHEEL_CONSTRAINTS = ["cuda-python>=13"]
+from harness import build, results, series, venv
+from harness.project import HarnessError, Project, git, progress
+from harness.touched import touched_tests
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,30 +64,6 @@ def parse_junit(path: Path, tests: tuple[str, ...], gpu: str) -> TestReport:
     return TestReport(tests, passed, failed, errors, tuple(skipped), gpu)
 
 
-def install_wheel(project: Project, info: build.BuildInfo) -> Path:
-    """The harness venv with the built wheel (and its dependencies) installed."""
-    python = build.ensure_venv(project, TEST_REQUIREMENTS)
-    stamp = python.parent.parent / ".harness-wheel"
-    if not stamp.exists() or stamp.read_text() != info.wheel_sha256:
-        progress(f"installing {Path(info.wheel).name} into the harness venv")
-        run(
-            [
-                "uv",
-                "pip",
-                "install",
-                "--python",
-                str(python),
-                "--reinstall-package",
-                "vllm",
-                info.wheel,
-                *WHEEL_CONSTRAINTS,
-            ],
-            env={**build.uv_env(), "PIP_CONSTRAINT": ""},
-        )
-        stamp.write_text(info.wheel_sha256)
-    return python
-
-
 def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestReport:
     """``python -m harness test``: pytest over the series' tests, from the patched tree."""
     tree, base = series.prepare(project)
@@ -105,13 +74,13 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
         raise HarnessError(
             "the built wheel is from another commit of the tree; run `python -m harness build`"
         )
-    tests = tuple(series.touched_tests(tree, base))
+    tests = tuple(touched_tests(tree, base))
     gpu, _ = results.gpu_and_driver()
     if not tests:
         report = TestReport(tests, 0, 0, 0, (), gpu)
         progress("the series adds or changes no tests; nothing to run")
         return report
-    python = install_wheel(project, info)
+    python = venv.install_wheel(project, info.wheel, info.wheel_sha256)
     rundir = project.work / "testrun"
     # tests/ and pyproject.toml (pytest markers) only: `vllm` must come from the wheel
     build.snapshot(tree, rundir, ("tests", "pyproject.toml"))
@@ -134,6 +103,8 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
         env={**os.environ, **({"VLLM_TARGET_DEVICE": "cpu"} if gpu == "none" else {})},
         check=False,
     )
+    if proc.returncode == 5 and pytest_args:
+        raise HarnessError(f"no test of the series matched the pytest arguments {pytest_args}")
     if proc.returncode not in (0, 1) or not junit.exists():
         raise HarnessError(f"pytest could not run the series' tests (exit {proc.returncode})")
     report = parse_junit(junit, tests, gpu)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness import device_run, document, results, series
+from harness import device_run, document, patches, results, series
 from harness.project import HarnessError
 
 
@@ -25,7 +25,7 @@ def test_series_md_blocks_follow_patches_and_notes(project, commit):
     assert document.update(project) == ["SERIES.md"]
     text = (project.root / "SERIES.md").read_text()
     assert text.startswith("intro\n") and text.endswith("outtro\n")
-    assert f"`{series.series_hash(project)}` (1 patches)" in text
+    assert f"`{patches.series_hash(project)}` (1 patches)" in text
     assert "### 0001 [Core] First" in text and "- **Why:** Because." in text
     assert "the bare base" in text and "`tests/x/test_first.py`" in text
     assert "[results/x.json](results/x.json)" in text
@@ -37,7 +37,7 @@ def test_notes_must_cover_the_series(project, commit):
     series.export(project)
     (project.patches / "notes.toml").write_text("")
     with pytest.raises(HarnessError, match="no entry for"):
-        series.load_notes(project)
+        patches.load_notes(project)
 
 
 def test_result_files_carry_provenance(project, tmp_path):

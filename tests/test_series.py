@@ -6,8 +6,17 @@ import shutil
 
 import pytest
 
-from harness import series
+from harness import applying, checks, patches, series
 from harness.project import HarnessError, git
+
+
+def _standalone(project):
+    base = project.pin.base_commit
+    with (
+        applying.base_store([(project.tree, project.pin.release.tag)]) as store,
+        applying.fresh_clone(store, base) as clone,
+    ):
+        return checks.check_standalone(project, clone, base)
 
 
 def _export_two(project, commit):
@@ -30,7 +39,7 @@ def test_export_then_apply_round_trips_byte_for_byte(project, commit):
     head = git(project.tree, "rev-parse", "HEAD").stdout
 
     results = series.apply(project)
-    assert [r.outcome for r in results] == [series.Outcome.CLEAN] * 2
+    assert [r.outcome for r in results] == [applying.Outcome.CLEAN] * 2
     # am keeps [Bugfix][MoE] (--keep-non-patch) and pins the committer: same ids.
     assert git(project.tree, "log", "-1", "--format=%s").stdout.strip() == (
         "[Bugfix][MoE] Second change"
@@ -39,8 +48,13 @@ def test_export_then_apply_round_trips_byte_for_byte(project, commit):
     series.apply(project)
     assert git(project.tree, "rev-parse", "HEAD").stdout == first_ids
     series.export(project)
-    assert {p.name: p.read_bytes() for p in series.series_files(project)} == before
-    assert series.check_round_trip(project, project.tree, project.pin.base_commit) == []
+    assert {p.name: p.read_bytes() for p in patches.series_files(project)} == before
+    base = project.pin.base_commit
+    with (
+        applying.base_store([(project.tree, project.pin.release.tag)]) as store,
+        applying.fresh_clone(store, base) as clone,
+    ):
+        assert checks.check_round_trip(project, clone, base) == []
     assert head  # the original commits were replaced by identical re-applied ones
 
 
@@ -78,7 +92,7 @@ def test_patch_that_no_longer_applies_names_file_and_hunk(project, commit, tmp_p
     # Upstream moved on: the context of the second patch's hunk is gone.
     layer = (project.tree / "vllm/layer.py").read_text().replace("line 19\n", "changed upstream\n")
     commit("[Upstream] Drift", {"vllm/layer.py": layer})
-    (drift,) = series.export(project)
+    (drift,) = series.export(project, force=True)
     series.reset(project)
     shutil.copy(kept, project.patches / kept.name)
     (project.patches / "series").write_text(f"{drift.name}\n{kept.name}\n")
@@ -102,10 +116,10 @@ def test_patch_already_upstream_is_not_success(project, commit):
         shutil.copy(p, saved / p.name)
     # A base that already contains patch 0001's change: apply it, then offer it again.
     series.apply(project)
-    result = series.apply_patch(
+    result = applying.apply_patch(
         project.tree, saved / written[0].name, project.pin.identity, abort=True
     )
-    assert result.outcome is series.Outcome.UPSTREAM
+    assert result.outcome is applying.Outcome.UPSTREAM
 
 
 def test_standalone_check_uses_the_notes(project, commit):
@@ -115,7 +129,7 @@ def test_standalone_check_uses_the_notes(project, commit):
         '[[commit]]\npatch = "0002-Bugfix-MoE-Second-change.patch"\nwhy = "b"\n'
         'upstream = "unmerged"\nrequires = []\n'
     )
-    assert series.check_standalone(project, project.tree, project.pin.base_commit) == []
+    assert _standalone(project) == []
 
 
 def test_standalone_check_reports_a_hidden_dependency(project, commit):
@@ -126,5 +140,5 @@ def test_standalone_check_reports_a_hidden_dependency(project, commit):
         '[[commit]]\npatch = "0001-Core-Add-helper.patch"\nwhy = "a"\nupstream = "unmerged"\n\n'
         '[[commit]]\npatch = "0002-Core-Use-helper.patch"\nwhy = "b"\nupstream = "unmerged"\n'
     )
-    problems = series.check_standalone(project, project.tree, project.pin.base_commit)
+    problems = _standalone(project)
     assert len(problems) == 1 and "0002-Core-Use-helper.patch" in problems[0]

@@ -1,0 +1,92 @@
+"""``python -m harness check``: what the repository claims about the series, verified.
+
+* the round trip: the series applied in a clone of the bare base and
+  exported again reproduces ``patches/`` byte for byte;
+* every commit applies alone, with plain ``git am --keep-non-patch`` (no
+  3-way merge), on the base its note names, in a clone that holds only the
+  base's objects: what a fork that cherry-picks the commit has;
+* every result file is well-formed, and the documents' generated blocks are
+  current.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from harness import document, results
+from harness.applying import (
+    Outcome,
+    apply_alone,
+    apply_series,
+    base_store,
+    blocking,
+    forget,
+    fresh_clone,
+)
+from harness.patches import load_notes, series_files
+from harness.project import Project
+from harness.series import format_patches, prepare
+
+
+def check_round_trip(project: Project, clone: Path, base: str) -> list[str]:
+    """Apply the series in ``clone`` (of the bare base), export it, compare with patches/."""
+    problems = []
+    patches = series_files(project)
+    with tempfile.TemporaryDirectory() as tmp:
+        forget(clone, base)
+        applied = apply_series(clone, patches, project.pin.identity, abort=True)
+        if (stop := blocking(applied)) is not None:
+            if stop.outcome is Outcome.UPSTREAM:
+                return [f"{stop.patch} is already upstream in this base ({stop.detail})"]
+            return [stop.detail]
+        out = Path(tmp)
+        written = format_patches(clone, base, out)
+        if [p.name for p in written] != [p.name for p in patches]:
+            problems.append(f"export names {[p.name for p in written]} differ from patches/series")
+        for patch in patches:
+            regenerated = out / patch.name
+            if regenerated.exists() and regenerated.read_bytes() != patch.read_bytes():
+                problems.append(f"{patch.name} does not round-trip byte for byte")
+    return problems
+
+
+def where(requires: tuple[int, ...]) -> str:
+    """How SERIES.md names the base a commit applies alone on."""
+    return "the bare base" if not requires else "base + " + ", ".join(f"{i:04d}" for i in requires)
+
+
+def check_standalone(project: Project, clone: Path, base: str) -> list[str]:
+    """Apply each patch alone on the base its note names (bare base, or base + prerequisites).
+
+    Notes are matched to patches by name, never by position.
+    """
+    problems = []
+    patches = series_files(project)
+    notes = load_notes(project)
+    for patch in patches:
+        note = notes[patch.name]
+        prereqs = [patches[i - 1] for i in note.requires]
+        applied = apply_alone(clone, base, [*prereqs, patch], project.pin.identity, three_way=False)
+        last = applied[-1]
+        if last.patch != patch.name or last.outcome in (Outcome.FAILED, Outcome.UPSTREAM):
+            detail = last.detail if last.patch == patch.name else f"{last.patch} does not apply"
+            problems.append(
+                f"{patch.name} does not apply alone (git am, no 3-way) on "
+                f"{where(note.requires)}: {detail}"
+            )
+    return problems
+
+
+def check(project: Project) -> list[str]:
+    """Round trip, standalone commits, result files, fresh documents."""
+    tree, base = prepare(project)
+    with base_store([(tree, project.pin.release.tag)]) as store, fresh_clone(store, base) as clone:
+        problems = check_round_trip(project, clone, base)
+        problems += check_standalone(project, clone, base)
+    problems += results.check_all(project.root)
+    problems += [
+        f"{name}: generated blocks are stale; run `python -m harness doc`"
+        for name in document.stale(project)
+    ]
+    return problems

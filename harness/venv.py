@@ -1,0 +1,69 @@
+"""The harness venv: one uv-made venv under the work area, for building, testing and lint.
+
+Everything that installs into it goes through here: the build requirements,
+the test requirements, lint's pinned tools, and the built wheel.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.project import Project, progress, run
+
+# What vLLM's tests/conftest.py imports beyond vLLM's own dependencies.
+TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib"]
+
+# Left alone, the resolver satisfies flashinfer-python's `cuda-python>=12.0`
+# with 12.6, whose files overwrite cuda-bindings 13 that torch and the CUTLASS
+# DSL (pinned by vLLM) need; ModelOpt configs then fail to import.
+WHEEL_CONSTRAINTS = ["cuda-python>=13"]
+
+
+def venv_python(project: Project) -> Path:
+    return project.work / "venv" / "bin" / "python"
+
+
+def uv_env() -> dict[str, str]:
+    """uv never downloads a Python interpreter for the harness."""
+    return {"UV_PYTHON_DOWNLOADS": "never", "UV_PYTHON_PREFERENCE": "only-system"}
+
+
+def ensure_venv(project: Project, requirements: list[str]) -> Path:
+    """The harness venv (uv), with ``requirements`` installed; reused when unchanged."""
+    python = venv_python(project)
+    if not python.exists():
+        run(["uv", "venv", "--python", project.pin.python, str(python.parent.parent)], env=uv_env())
+    stamp = python.parent.parent / ".harness-requirements"
+    wanted = "\n".join(sorted(requirements))
+    if not stamp.exists() or wanted not in stamp.read_text():
+        run(
+            ["uv", "pip", "install", "--python", str(python), *requirements],
+            env={**uv_env(), "PIP_CONSTRAINT": ""},
+        )
+        with stamp.open("a") as fh:
+            fh.write(wanted + "\n")
+    return python
+
+
+def install_wheel(project: Project, wheel: str, wheel_sha256: str) -> Path:
+    """The harness venv with the test requirements and ``wheel`` (and its dependencies)."""
+    python = ensure_venv(project, TEST_REQUIREMENTS)
+    stamp = python.parent.parent / ".harness-wheel"
+    if not stamp.exists() or stamp.read_text() != wheel_sha256:
+        progress(f"installing {Path(wheel).name} into the harness venv")
+        run(
+            [
+                "uv",
+                "pip",
+                "install",
+                "--python",
+                str(python),
+                "--reinstall-package",
+                "vllm",
+                wheel,
+                *WHEEL_CONSTRAINTS,
+            ],
+            env={**uv_env(), "PIP_CONSTRAINT": ""},
+        )
+        stamp.write_text(wheel_sha256)
+    return python
