@@ -135,19 +135,22 @@ def test_sass_functions_line_up_across_builds() -> None:
 # ------------------------------------------------------------------ real builds
 
 
-def _rev_commit(tree: Path, rev: str) -> str | None:
-    proc = git(tree, "rev-parse", "--verify", f"{rev}^{{commit}}", check=False)
+def _csrc_tree(tree: Path, rev: str) -> str | None:
+    """The git tree id of ``csrc`` at ``rev``: what a kernel build compiles."""
+    proc = git(tree, "rev-parse", "--verify", f"{rev}:csrc", check=False)
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def _current_log(out: Path, namespace: str, commit: str) -> Path | None:
+def _current_log(tree: Path, out: Path, namespace: str, csrc: str) -> Path | None:
+    """The ptxas log of an existing build of the same ``csrc``, if there is one."""
     manifest = out / f"lib{namespace}.json"
     log = out / f"build-{namespace}" / "kernels.log"
     if not manifest.exists() or not log.exists():
         return None
     info = json.loads(manifest.read_text())
     has_ptxas = any("-Xptxas" in cmd for cmd in info.get("commands", []))
-    return log if info.get("commit") == commit and has_ptxas else None
+    same = _csrc_tree(tree, str(info.get("commit"))) == csrc
+    return log if same and has_ptxas else None
 
 
 def test_stock_and_fixed_blocks_per_sm_equal(tmp_path: Path) -> None:
@@ -158,13 +161,13 @@ def test_stock_and_fixed_blocks_per_sm_equal(tmp_path: Path) -> None:
     tree = project.tree
     if not (tree / ".git").exists():
         pytest.skip(f"no vLLM tree at {tree} (python -m harness apply)")
-    commits = {rev: _rev_commit(tree, rev) for rev in ("v0.33.0", "series")}
-    if None in commits.values():
-        pytest.skip(f"the tree lacks v0.33.0 or series: {commits}")
+    csrc = {rev: _csrc_tree(tree, rev) for rev in ("v0.33.0", "series")}
+    if None in csrc.values():
+        pytest.skip(f"the tree lacks v0.33.0 or series: {csrc}")
     out = Path(os.environ.get("VLLM_SERIES_PTXAS_DIR", project.work / "kernels"))
     logs = {
-        "v0.33.0": _current_log(out, "marlin_base", str(commits["v0.33.0"])),
-        "series": _current_log(out, "marlin_series", str(commits["series"])),
+        "v0.33.0": _current_log(tree, out, "marlin_base", str(csrc["v0.33.0"])),
+        "series": _current_log(tree, out, "marlin_series", str(csrc["series"])),
     }
     if None in logs.values():
         if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
