@@ -110,9 +110,9 @@ def _install(spec: str) -> None:
     torch.ops.load_library(path)
     target = getattr(getattr(torch.ops, namespace), OP)
 
-    def forward(*args: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         _state["calls"] += 1
-        return target(*args)
+        return target(*args, **kwargs)
 
     # vLLM reaches the op only as torch.ops._moe_C.moe_wna16_marlin_gemm
     # (vllm/_custom_ops.py), an attribute lookup on the namespace object.
