@@ -1,19 +1,24 @@
-"""Standalone build of the Marlin MoE NVFP4 op subset, for kernel A/B replays.
+"""Standalone build of a Marlin MoE op subset, for kernel A/B replays and tests.
 
 A full vLLM build takes hours and compiles ~1200 Marlin MoE instantiations for
 every architecture. Kernel changes of the series (the 64-bit per-expert weight
-pointer) only need the NVFP4-weight, bf16-activation Marlin MoE GEMM and the
-GPTQ repack that prepares its weights. :func:`build_kernels` compiles exactly
-that from one git revision of the materialized vLLM tree:
+offsets) only need the Marlin MoE GEMM for a few weight formats and the GPTQ
+repack that prepares NVFP4 weights. :func:`build_kernels` compiles exactly that
+from one git revision of the materialized vLLM tree:
 
 1. ``git archive <rev> csrc`` into a fresh build folder (the tree's work copy
    and other worktrees are never touched, so any branch, tag or commit works:
    ``series`` for the patched tree, the base tag for stock);
-2. vLLM's own kernel generator, restricted to the 15 NVFP4/bf16 instantiations
-   (:mod:`harness.marlin_generate`);
-3. four translation units compiled in parallel with ``nvcc``/``g++`` for one
-   GPU architecture: the generated kernels, ``ops.cu``, ``gptq_marlin_repack.cu``
-   and the op schemas in ``harness/kernels_binding.cpp``;
+2. vLLM's own kernel generator, restricted to the requested weight formats
+   and activation types (:mod:`harness.marlin_generate`; default
+   :data:`DEFAULT_FORMATS`: NVFP4 with bf16 and fp16, FP8, GPTQ int4 and AWQ
+   int4 with fp16, MXFP4 and MXFP8 with bf16: the formats and activation
+   types of vLLM's own Marlin MoE tests on sm_90 except GPTQ int8 and the
+   8-bit activations);
+3. the translation units compiled with ``nvcc``/``g++`` for one GPU
+   architecture, at most ``jobs`` at a time: one per generated kernel file,
+   ``ops.cu``, ``gptq_marlin_repack.cu`` and the op schemas in
+   ``harness/kernels_binding.cpp``;
 4. one link into ``lib<namespace>.so`` plus a ``lib<namespace>.json`` manifest.
 
 The ops register as ``torch.ops.<namespace>.moe_wna16_marlin_gemm`` and
@@ -54,7 +59,17 @@ TORCH_TARGET_VERSION = "0x020B000000000000ULL"
 MOE_DIR = "csrc/moe/marlin_moe_wna16"
 GENERATOR = "csrc/quantization/marlin/generate_kernels.py"
 REPACK_SOURCE = "csrc/quantization/marlin/gptq_marlin_repack.cu"
-KERNEL_TU = "sm80_kernel_bfloat16_fe2m1f_bfloat16.cu"
+KERNEL_GLOB = "sm*_kernel_*.cu"
+
+#: Weight formats built by default (:mod:`harness.marlin_generate` syntax).
+DEFAULT_FORMATS = (
+    "nvfp4:bf16,fp16",
+    "fp8:fp16",
+    "gptq4:fp16",
+    "awq4:fp16",
+    "mxfp4:bf16",
+    "mxfp8:bf16",
+)
 
 #: vLLM's own extension namespaces: a standalone library must not reuse them,
 #: or it would clash with an installed vLLM in the same process.
@@ -330,6 +345,11 @@ def common_nvcc_flags(
     return flags + gencode(arch)
 
 
+def kernel_units(src: Path) -> list[Path]:
+    """The generated kernel translation units of an exported tree, sorted by name."""
+    return sorted((src / MOE_DIR).glob(KERNEL_GLOB))
+
+
 def compile_steps(
     tc: Toolchain,
     src: Path,
@@ -337,28 +357,37 @@ def compile_steps(
     namespace: str,
     arch: str,
     *,
+    units: Sequence[Path] = (),
     ptxas_verbose: bool = False,
     extra_include: Path | None = None,
 ) -> list[Step]:
-    """The four compiler invocations; ``src`` is the exported tree (holding ``csrc``)."""
+    """The compiler invocations; ``src`` is the exported tree (holding ``csrc``).
+
+    One ``kernels-<file stem>`` step per kernel unit in ``units`` (the files
+    the generator wrote, :func:`kernel_units`), then ``ops``, ``repack`` and
+    ``binding``.
+    """
     nvcc = [str(tc.nvcc), *common_nvcc_flags(tc, src, arch, extra_include)]
     moe_ns = [f"-DMARLIN_NAMESPACE_NAME=marlin_moe_wna16_{namespace}", f"-D_moe_C={namespace}"]
     moe = src / MOE_DIR
     kernel_extra = ["-Xptxas", "-v"] if ptxas_verbose else []
     steps = [
         Step(
-            "kernels",
+            f"kernels-{unit.stem}",
             (
                 *nvcc,
                 *moe_ns,
                 *kernel_extra,
                 "-c",
-                str(moe / KERNEL_TU),
+                str(unit),
                 "-o",
-                str(objdir / "kernels.o"),
+                str(objdir / f"{unit.stem}.o"),
             ),
-            objdir / "kernels.o",
-        ),
+            objdir / f"{unit.stem}.o",
+        )
+        for unit in units
+    ]
+    steps += [
         Step(
             "ops",
             (*nvcc, *moe_ns, "-c", str(moe / "ops.cu"), "-o", str(objdir / "ops.o")),
@@ -419,17 +448,22 @@ def link_step(tc: Toolchain, objects: Sequence[Path], library: Path, arch: str) 
     return Step("link", argv, library)
 
 
-def run_parallel(steps: Sequence[Step], logdir: Path) -> None:
-    """Run ``steps`` at once, each logging to ``<logdir>/<name>.log``; wait for every one."""
-    procs: list[tuple[Step, subprocess.Popen[bytes], Path]] = []
-    for step in steps:
-        log = logdir / f"{step.name}.log"
-        progress(f"compiling {step.name} (log: {log})")
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(step.argv, stdout=fh, stderr=subprocess.STDOUT)
-        procs.append((step, proc, log))
+def run_parallel(steps: Sequence[Step], logdir: Path, jobs: int | None = None) -> None:
+    """Run ``steps``, at most ``jobs`` at a time (default: all at once), each logging
+    to ``<logdir>/<name>.log``; wait for every one, then report the failures."""
+    limit = max(1, jobs or len(steps) or 1)
+    pending = list(steps)
+    running: list[tuple[Step, subprocess.Popen[bytes], Path]] = []
     failed = []
-    for step, proc, log in procs:
+    while pending or running:
+        while pending and len(running) < limit:
+            step = pending.pop(0)
+            log = logdir / f"{step.name}.log"
+            progress(f"compiling {step.name} (log: {log})")
+            with log.open("wb") as fh:
+                proc = subprocess.Popen(step.argv, stdout=fh, stderr=subprocess.STDOUT)
+            running.append((step, proc, log))
+        step, proc, log = running.pop(0)
         if proc.wait() != 0 or not step.output.exists():
             failed.append((step, log))
     if failed:
@@ -453,12 +487,32 @@ def export_sources(tree: Path, rev: str, dest: Path) -> str:
     return commit
 
 
-def generate(tc: Toolchain, src: Path, arch: str) -> None:
-    """Write the NVFP4/bf16 kernel TU and ``kernel_selector.h`` beside ``ops.cu``."""
+def generate(tc: Toolchain, src: Path, arch: str, formats: Sequence[str]) -> list[Path]:
+    """Write the kernel TUs of ``formats`` and ``kernel_selector.h`` beside ``ops.cu``.
+
+    Returns the generated kernel units (:func:`kernel_units`).
+    """
     moe = src / MOE_DIR
-    run([tc.python, GENERATOR_WRAPPER, src / GENERATOR, generator_arch(arch), moe])
-    if not (moe / KERNEL_TU).exists() or not (moe / "kernel_selector.h").exists():
-        raise HarnessError(f"the kernel generator did not write {moe / KERNEL_TU}")
+    run([tc.python, GENERATOR_WRAPPER, src / GENERATOR, generator_arch(arch), moe, *formats])
+    units = kernel_units(src)
+    if not units or not (moe / "kernel_selector.h").exists():
+        raise HarnessError(f"the kernel generator wrote no {KERNEL_GLOB} into {moe}")
+    return units
+
+
+def count_instantiations(units: Sequence[Path]) -> dict[str, int]:
+    """Explicit ``Marlin<...>`` instantiations per generated file name."""
+    return {unit.name: unit.read_text().count("template __global__ void Marlin<") for unit in units}
+
+
+def combine_logs(build: Path, steps: Sequence[Step]) -> Path:
+    """Concatenate the kernel steps' logs into ``<build>/kernels.log`` (ptxas reports)."""
+    out = build / "kernels.log"
+    with out.open("w") as fh:
+        for step in steps:
+            if step.name.startswith("kernels-"):
+                fh.write((build / f"{step.name}.log").read_text(errors="replace"))
+    return out
 
 
 def build_kernels(
@@ -471,6 +525,8 @@ def build_kernels(
     python: Path | None = None,
     nvcc: Path | None = None,
     ptxas_verbose: bool = False,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    jobs: int | None = None,
 ) -> Path:
     """Build ``lib<namespace>.so`` from revision ``rev`` of the materialized tree.
 
@@ -488,8 +544,11 @@ def build_kernels(
             the harness venv's, which has the pinned torch, when it exists;
             else the running one). Its torch must be a CUDA build, >= 2.11.
         nvcc: nvcc to use (default: ``$CUDA_HOME/bin/nvcc`` or PATH).
-        ptxas_verbose: Pass ``-Xptxas -v`` to the kernel TU; the register and
-            spill report lands in ``build-<namespace>/kernels.log``.
+        ptxas_verbose: Pass ``-Xptxas -v`` to the kernel TUs; the register and
+            spill report of every TU lands in ``build-<namespace>/kernels.log``.
+        formats: Weight formats to build (:mod:`harness.marlin_generate`
+            syntax, e.g. ``nvfp4:bf16``); default :data:`DEFAULT_FORMATS`.
+        jobs: Compiler processes at a time (default: the CPU count).
 
     Returns:
         Path of the built library.
@@ -518,14 +577,23 @@ def build_kernels(
     started = time.monotonic()
     commit = export_sources(tree, rev, src)
     progress(f"building lib{namespace}.so from {rev} ({commit[:12]}) for sm_{target}")
-    generate(tc, src, target)
+    units = generate(tc, src, target, formats)
     shim = None
     if tc.cuda_include is not None:
         shim = library_header_shim(tc.cuda_include, toolkit_include(tc.nvcc), build / "include")
     steps = compile_steps(
-        tc, src, objdir, namespace, target, ptxas_verbose=ptxas_verbose, extra_include=shim
+        tc,
+        src,
+        objdir,
+        namespace,
+        target,
+        units=units,
+        ptxas_verbose=ptxas_verbose,
+        extra_include=shim,
     )
-    run_parallel(steps, build)
+    jobs = jobs or os.cpu_count() or 1
+    run_parallel(steps, build, jobs)
+    combine_logs(build, steps)
     library = out / f"lib{namespace}.so"
     link = link_step(tc, [s.output for s in steps], library, target)
     run_parallel([link], build)
@@ -538,6 +606,10 @@ def build_kernels(
         "ops": [f"{namespace}::moe_wna16_marlin_gemm", f"{namespace}::gptq_marlin_repack"],
         "rev": rev,
         "commit": commit,
+        "formats": list(formats),
+        "instantiations": count_instantiations(units),
+        "library_bytes": library.stat().st_size,
+        "jobs": jobs,
         "arch": f"sm_{target}",
         "torch_target_version": TORCH_TARGET_VERSION,
         "toolchain": tc.describe(),
@@ -571,6 +643,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="log ptxas register/spill usage of every kernel",
     )
+    parser.add_argument(
+        "--format",
+        dest="formats",
+        action="append",
+        metavar="NAME[:ACT,...]",
+        help=(
+            "weight format to build, repeatable: nvfp4, mxfp4, fp8, mxfp8, gptq4, awq4, "
+            "gptq8, each optionally with activations bf16/fp16 (e.g. gptq4:fp16); "
+            f"default: {' '.join(DEFAULT_FORMATS)}"
+        ),
+    )
+    parser.add_argument(
+        "--jobs", type=int, help="compiler processes at a time (default: the CPU count)"
+    )
 
 
 def command(project: Project, args: argparse.Namespace) -> int:
@@ -584,6 +670,8 @@ def command(project: Project, args: argparse.Namespace) -> int:
         python=args.python,
         nvcc=args.nvcc,
         ptxas_verbose=args.ptxas_verbose,
+        formats=tuple(args.formats or DEFAULT_FORMATS),
+        jobs=args.jobs,
     )
     print(library)
     return 0

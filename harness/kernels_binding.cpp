@@ -2,7 +2,7 @@
 //
 // vLLM defines these schemas in csrc/moe/torch_bindings.cpp and
 // csrc/torch_bindings.cpp, which pull in every other op of _moe_C / _C. The
-// standalone library only carries the NVFP4 Marlin MoE GEMM and the GPTQ
+// standalone library only carries the Marlin MoE GEMM and the GPTQ
 // repack (and the capability query the series adds), so it defines just those
 // here. The namespace comes from the
 // command line (-DHARNESS_OPS_NAMESPACE=<ns>); ops.cu and
@@ -39,5 +39,7 @@ HARNESS_STABLE_LIBRARY(HARNESS_OPS_NAMESPACE, m) {
       "SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) -> Tensor");
   // Added by the series' commit 0006; ops.cu implements it from that commit on.
   // Defined for every revision so a base build loads too (schema only there).
-  m.def("marlin_moe_supports_64bit_expert_offsets() -> bool");
+  m.def(
+      "marlin_moe_supports_64bit_expert_offsets(int a_type_id, int b_type_id,"
+      " int c_type_id, int s_type_id) -> bool");
 }

@@ -21,6 +21,7 @@ import torch
 from harness import results
 
 NVFP4_TYPE_ID = 0x2000000010102  # vllm.scalar_type.scalar_types.float4_e2m1f.id
+GPTQ4_TYPE_ID = 1125899907892224  # scalar_types.uint4b8.id (GPTQ int4)
 GROUP = 16
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 FP4_TABLE = torch.tensor(FP4_VALUES + [-v for v in FP4_VALUES])
@@ -126,7 +127,7 @@ def gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    global_scale: torch.Tensor,
+    global_scale: torch.Tensor | None,
     routing: Routing,
     workspace: torch.Tensor,
     *,
@@ -135,8 +136,13 @@ def gemm(
     thread_n: int = -1,
     topk_weights: torch.Tensor | None = None,
     blocks_per_sm: int = -1,
+    b_type_id: int = NVFP4_TYPE_ID,
 ) -> torch.Tensor:
-    """One deterministic launch (no atomics, fp32 reduce, unweighted)."""
+    """One deterministic launch (no atomics, fp32 reduce, unweighted).
+
+    NVFP4 by default; ``b_type_id=GPTQ4_TYPE_ID`` with ``global_scale=None``
+    and 16-bit group scales for GPTQ int4.
+    """
     size_m, size_k = x.shape
     size_n = scales.shape[2]
     if topk_weights is None:
@@ -144,7 +150,7 @@ def gemm(
     return ops.moe_wna16_marlin_gemm(
         x, out, qweight, None, scales, None, global_scale, None, workspace,
         routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_past_padded,
-        topk_weights, routing.block_size, routing.top_k, False, NVFP4_TYPE_ID,
+        topk_weights, routing.block_size, routing.top_k, False, b_type_id,
         size_m, size_n, size_k, False, True, False, thread_k, thread_n, blocks_per_sm,
     )  # fmt: skip
 

@@ -1,151 +1,149 @@
-"""Registers, spills and blocks per SM of the Marlin MoE NVFP4/bf16 kernels, per build.
+"""Registers, spills and blocks per SM of Marlin MoE kernels, stock vs fixed; SASS identity.
 
 Usage (from the repository root, on any machine; no GPU needed)::
 
     PYTHONPATH=. python scripts/marlin_ptxas.py \\
-        --log stock=.bundle-marlin/build-marlin_base/kernels.log \\
-        --log fixed=.bundle-marlin/build-marlin_series/kernels.log --out DIR
+        --build stock=.work/kernels/build-marlin_base \\
+        --build fixed=.work/kernels/build-marlin_series \\
+        [--cuobjdump PATH] --out DIR
 
-Each log is the ``-Xptxas -v`` report of the kernel translation unit, written by
-``harness.kernels.build_kernels(..., ptxas_verbose=True)`` to
-``<out>/build-<namespace>/kernels.log`` (the exact nvcc command is in the
-library's ``lib<namespace>.json`` manifest). For every instantiation the script
-lists registers and spill bytes, and the blocks per SM that vLLM 0.33.0's
-``determine_exec_config`` (csrc/moe/marlin_moe_wna16/ops.cu) derives from the
-register count when the op chooses the tile itself::
+Each build folder is what ``python -m harness kernels --ptxas-verbose`` leaves
+in ``<out>/build-<namespace>/``: ``kernels.log`` (the ``-Xptxas -v`` reports of
+every generated kernel unit) and ``obj/*.o``; the library's ``lib<ns>.json``
+manifest beside the folder gives revision, commit, formats, instantiation
+counts, size and the nvcc commands. The first build is the reference.
 
-    min(255 * 1024 // (regs * num_threads * 4), cap),  cap = 4 if m_blocks == 1 else 2
-
-(before the shared-memory and problem-size limits, which do not depend on the
-build). Writes ``ptxas.json`` in the harness result schema (kind ``marlin_ptxas``).
+For every instantiation the script lists registers, spill bytes and the blocks
+per SM of vLLM 0.33.0's ``determine_exec_config`` (:mod:`harness.ptxas`), and
+the instantiations whose blocks per SM differ from the reference (there must be
+none). Kernels only one build has (the fixed build's ``b64`` kernels) are listed
+beside their 32-bit form. With a ``cuobjdump`` (Triton's package ships one), it
+also compares each common instantiation's SASS, encodings included. Writes
+``ptxas.json`` (kind ``marlin_ptxas``) and ``ptxas.md`` (the table).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from harness import results
-
-DEVICE_MAX_REG_SIZE = 255 * 1024
-_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
-_TEMPLATE = re.compile(
-    r"MarlinILl\d+ELl\d+ELl\d+ELl\d+ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELi(\d+)ELi(-?\d+)"
-)
-_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_REGS = re.compile(r"Used (\d+) registers")
+from harness import ptxas, results
 
 
-def blocks_per_sm(regs: int, threads: int, m_blocks: int) -> int:
-    """``determine_exec_config``'s register limit on blocks per SM, with its cap."""
-    allow = DEVICE_MAX_REG_SIZE // (max(regs, 1) * threads * 4)
-    return max(min(allow, 4 if m_blocks == 1 else 2), 1)
-
-
-def parse(log: Path) -> dict[str, dict[str, Any]]:
-    """Kernel label -> threads, tile, registers, spills, blocks per SM."""
-    kernels: dict[str, dict[str, Any]] = {}
-    current: dict[str, Any] | None = None
-    for line in log.read_text(errors="replace").splitlines():
-        entry = _ENTRY.search(line)
-        if entry:
-            match = _TEMPLATE.search(entry.group(1))
-            if match is None:
-                current = None
-                continue
-            threads, m_blocks, n_blocks, k_blocks, m8, stages, group = map(int, match.groups())
-            current = {
-                "threads": threads, "m_blocks": m_blocks, "thread_n": 16 * n_blocks,
-                "thread_k": 16 * k_blocks, "m_block_size_8": bool(m8), "stages": stages,
-                "group_blocks": group,
-            }  # fmt: skip
-            label = f"t{threads}_m{m_blocks}_k{16 * k_blocks}_n{16 * n_blocks}" + (
-                "_m8" if m8 else ""
-            )
-            kernels[label] = current
-            continue
-        if current is None:
-            continue
-        spill = _SPILL.search(line)
-        if spill:
-            current["spill_store_bytes"] = int(spill.group(1))
-            current["spill_load_bytes"] = int(spill.group(2))
-        regs = _REGS.search(line)
-        if regs:
-            current["registers"] = int(regs.group(1))
-            current["blocks_per_sm"] = blocks_per_sm(
-                current["registers"], current["threads"], current["m_blocks"]
-            )
-    return kernels
-
-
-def build_info(log: Path) -> dict[str, Any]:
-    """Revision, commit, toolchain and nvcc command of the build that wrote ``log``.
-
-    Read from the ``lib<namespace>.json`` manifest beside ``build-<namespace>/``;
-    empty when there is none.
-    """
-    namespace = log.parent.name.removeprefix("build-")
-    manifest = log.parent.parent / f"lib{namespace}.json"
-    if not manifest.exists():
+def manifest(build: Path) -> dict[str, Any]:
+    namespace = build.name.removeprefix("build-")
+    path = build.parent / f"lib{namespace}.json"
+    if not path.exists():
         return {}
-    info = json.loads(manifest.read_text())
+    info = json.loads(path.read_text())
+    keys = ("rev", "commit", "sha256", "arch", "formats", "instantiations", "library_bytes")
     return {
-        "manifest": str(manifest),
-        **{key: info.get(key) for key in ("rev", "commit", "sha256", "arch")},
+        "manifest": str(path),
+        **{key: info.get(key) for key in keys},
+        "build_seconds": info.get("build_seconds"),
+        "jobs": info.get("jobs"),
         "nvcc_version": info.get("toolchain", {}).get("nvcc_version"),
-        "kernel_command": info.get("commands", [[]])[0],
+        "kernel_commands": [c for c in info.get("commands", []) if "-Xptxas" in c],
     }
+
+
+def sass(build: Path, cuobjdump: str) -> dict[str, list[str]]:
+    functions: dict[str, list[str]] = {}
+    for obj in sorted((build / "obj").glob("sm*_kernel_*.o")):
+        proc = subprocess.run(
+            [cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True
+        )
+        functions.update(ptxas.sass_functions(proc.stdout))
+    return functions
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--log",
-        action="append",
-        required=True,
-        metavar="NAME=PATH",
-        help="a build's ptxas log; the first one is the reference",
-    )
+    parser.add_argument("--build", action="append", required=True, metavar="NAME=DIR")
+    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    builds = {name: Path(path) for name, path in (x.split("=", 1) for x in args.log)}
-    tables = {name: parse(path) for name, path in builds.items()}
-    reference = next(iter(tables))
-    for name, table in tables.items():
-        if set(table) != set(tables[reference]):
-            raise SystemExit(f"{name}: other instantiations than {reference}")
+    builds = {name: Path(path) for name, path in (x.split("=", 1) for x in args.build)}
+    tables = {name: ptxas.parse(path / "kernels.log") for name, path in builds.items()}
     names = list(tables)
-    print("kernel".ljust(22) + "".join(f"{n:>26}" for n in names))
-    changed = []
-    for label in sorted(tables[reference]):
-        cells = []
-        for name in names:
-            k = tables[name][label]
-            cells.append(
-                f"{k['registers']:>4} r {k['spill_store_bytes']:>3}/"
-                f"{k['spill_load_bytes']:<3} sp {k['blocks_per_sm']} bps"
-            )
-            if k["blocks_per_sm"] != tables[reference][label]["blocks_per_sm"]:
-                changed.append(f"{name}:{label}")
-        print(label.ljust(22) + "".join(f"{c:>26}" for c in cells))
-    print("blocks per SM differ from " + reference + ": " + (", ".join(changed) or "none"))
+    reference = names[0]
+    changed: dict[str, list[str]] = {}
+    registers_changed: dict[str, list[str]] = {}
+    only: dict[str, list[str]] = {}
+    for name in names[1:]:
+        cmp = ptxas.compare(tables[reference], tables[name])
+        changed[name] = cmp.blocks_per_sm_changed()
+        registers_changed[name] = cmp.registers_changed()
+        only[name] = cmp.only_other
+        if cmp.only_reference:
+            raise SystemExit(f"{name} lacks {len(cmp.only_reference)} kernels of {reference}")
+
+    sass_identical: dict[str, dict[str, bool]] = {}
+    if args.cuobjdump:
+        codes = {name: sass(path, args.cuobjdump) for name, path in builds.items()}
+        for name in names[1:]:
+            sass_identical[name] = ptxas.sass_differences(codes[reference], codes[name])
+
+    header = ["kernel (types, group, threads, m_blocks, tile)"] + [
+        f"{n}: regs / spill st/ld / bps" for n in names
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in ptxas.table_rows(tables)]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    for name in names[1:]:
+        print(f"{name}: blocks per SM differ from {reference}: {changed[name] or 'none'}")
+        print(f"{name}: registers differ from {reference}: {registers_changed[name] or 'none'}")
+        print(f"{name}: kernels {reference} lacks: {len(only[name])}")
+        if name in sass_identical:
+            same = sum(sass_identical[name].values())
+            print(f"{name}: SASS identical to {reference}: {same} of {len(sass_identical[name])}")
     if args.out:
+        extra = {
+            name: {
+                label: {
+                    "registers": tables[name][label].registers,
+                    "blocks_per_sm": tables[name][label].blocks_per_sm,
+                    "label_32bit": tables[name][label].label_32bit,
+                    "registers_32bit": tables[name][tables[name][label].label_32bit].registers,
+                    "blocks_per_sm_32bit": tables[name][
+                        tables[name][label].label_32bit
+                    ].blocks_per_sm,
+                }
+                for label in only[name]
+                if tables[name][label].label_32bit in tables[name]
+            }
+            for name in names[1:]
+        }
         data = {
             "formula": "min(255*1024 // (regs*threads*4), 4 if m_blocks == 1 else 2), >= 1",
             "reference": reference,
             "blocks_per_sm_changed": changed,
-            "logs": {name: str(path) for name, path in builds.items()},
-            "builds": {name: build_info(path) for name, path in builds.items()},
-            "kernels": tables,
+            "registers_changed": registers_changed,
+            "sass_identical": {
+                name: {
+                    "identical": sum(v.values()),
+                    "compared": len(v),
+                    "differ": [k for k, ok in v.items() if not ok],
+                }
+                for name, v in sass_identical.items()
+            },
+            "extra_kernels_vs_their_32bit_form": extra,
+            "builds": {name: {"dir": str(path), **manifest(path)} for name, path in builds.items()},
+            "kernels": {
+                name: {label: k.as_dict() for label, k in table_.items()}
+                for name, table_ in tables.items()
+            },
         }
         prov = results.provenance([Path(sys.executable).name, *sys.argv])
         results.write(args.out / "ptxas.json", "marlin_ptxas", data, prov)
+        (args.out / "ptxas.md").write_text(table)
     return 0
 
 

@@ -79,14 +79,28 @@ def _toolchain(tmp_path: Path) -> kernels.Toolchain:
 def test_compile_steps_namespaces_and_flags(tmp_path: Path) -> None:
     tc = _toolchain(tmp_path)
     src, obj = tmp_path / "src", tmp_path / "obj"
+    units = [src / kernels.MOE_DIR / n for n in ("sm80_kernel_a.cu", "sm80_kernel_a_b64.cu")]
     steps = {
         s.name: s
         for s in kernels.compile_steps(
-            tc, src, obj, "marlin_x", "90", ptxas_verbose=True, extra_include=tmp_path / "inc"
+            tc,
+            src,
+            obj,
+            "marlin_x",
+            "90",
+            units=units,
+            ptxas_verbose=True,
+            extra_include=tmp_path / "inc",
         )
     }
-    assert set(steps) == {"kernels", "ops", "repack", "binding"}
-    for name in ("kernels", "ops"):
+    assert set(steps) == {
+        "kernels-sm80_kernel_a",
+        "kernels-sm80_kernel_a_b64",
+        "ops",
+        "repack",
+        "binding",
+    }
+    for name in ("kernels-sm80_kernel_a", "ops"):
         argv = steps[name].argv
         assert "-D_moe_C=marlin_x" in argv
         assert "-DMARLIN_NAMESPACE_NAME=marlin_moe_wna16_marlin_x" in argv
@@ -94,7 +108,11 @@ def test_compile_steps_namespaces_and_flags(tmp_path: Path) -> None:
         assert "arch=compute_90,code=sm_90" in argv
         assert f"-I{tmp_path / 'inc'}" in argv
         assert f"-DTORCH_TARGET_VERSION={kernels.TORCH_TARGET_VERSION}" in argv
-    assert steps["kernels"].argv[-6:-4] == ("-Xptxas", "-v")
+    for unit in units:
+        step = steps[f"kernels-{unit.stem}"]
+        assert step.argv[-6:-4] == ("-Xptxas", "-v")
+        assert step.argv[-3] == str(unit)
+        assert step.output == obj / f"{unit.stem}.o"
     assert "-Xptxas" not in steps["ops"].argv
     repack = steps["repack"].argv
     assert "-D_C=marlin_x" in repack
@@ -103,7 +121,32 @@ def test_compile_steps_namespaces_and_flags(tmp_path: Path) -> None:
     assert binding[0] == "/usr/bin/g++"
     assert "-DHARNESS_OPS_NAMESPACE=marlin_x" in binding
     assert str(kernels.BINDING_SOURCE) in binding
-    assert steps["kernels"].argv[-3].endswith(kernels.KERNEL_TU)
+
+
+def test_kernel_units_and_counts(tmp_path: Path) -> None:
+    moe = tmp_path / kernels.MOE_DIR
+    moe.mkdir(parents=True)
+    (moe / "sm80_kernel_b.cu").write_text("template __global__ void Marlin<1>(x);\n" * 3)
+    (moe / "sm80_kernel_a_b64.cu").write_text("template __global__ void Marlin<2>(x);\n")
+    (moe / "ops.cu").write_text("")
+    units = kernels.kernel_units(tmp_path)
+    assert [u.name for u in units] == ["sm80_kernel_a_b64.cu", "sm80_kernel_b.cu"]
+    assert kernels.count_instantiations(units) == {
+        "sm80_kernel_a_b64.cu": 1,
+        "sm80_kernel_b.cu": 3,
+    }
+
+
+def test_run_parallel_limits_jobs_and_reports_failures(tmp_path: Path) -> None:
+    ok = [
+        kernels.Step(f"ok{i}", ("sh", "-c", f"touch {tmp_path / f'o{i}'}"), tmp_path / f"o{i}")
+        for i in range(3)
+    ]
+    kernels.run_parallel(ok, tmp_path, jobs=1)
+    assert all(s.output.exists() for s in ok)
+    bad = kernels.Step("bad", ("sh", "-c", "echo broken; exit 3"), tmp_path / "never")
+    with pytest.raises(HarnessError, match="compile failed: bad"):
+        kernels.run_parallel([bad, *ok], tmp_path, jobs=2)
 
 
 def test_link_step(tmp_path: Path) -> None:
@@ -113,10 +156,11 @@ def test_link_step(tmp_path: Path) -> None:
     assert "-ltorch_cuda" in step.argv and f"-L{tmp_path / 'torch' / 'lib'}" in step.argv
 
 
-def test_binding_source_defines_both_ops() -> None:
+def test_binding_source_defines_the_ops() -> None:
     text = kernels.BINDING_SOURCE.read_text()
     assert "moe_wna16_marlin_gemm(Tensor! a" in text
     assert "gptq_marlin_repack(Tensor b_q_weight" in text
+    assert "marlin_moe_supports_64bit_expert_offsets(int a_type_id" in text
     assert "HARNESS_OPS_NAMESPACE" in text
 
 
