@@ -3,10 +3,11 @@
 The last test compares real builds: the stock (``v0.33.0``) and fixed
 (``series``) Marlin MoE kernels must give every instantiation the same blocks
 per SM. It reads the ``-Xptxas -v`` logs of ``python -m harness kernels
---ptxas-verbose`` builds when they exist for the tree's current revisions and
-otherwise builds NVFP4/bf16 subsets itself; that needs nvcc, a CUDA build of
-torch and the vLLM tree, and the test is skipped with the reason when one is
-missing.
+--ptxas-verbose`` builds when they exist for the tree's current revisions;
+with ``VLLM_SERIES_PTXAS_BUILD=1`` it builds NVFP4/bf16 subsets itself (about
+5 minutes on 2 cores, too long for every ``nox``). That needs nvcc, a CUDA build
+of torch and the vLLM tree; the test is skipped with the reason when one is
+missing. It passed here with the opt-in build (2026-12-01, 285 s).
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def _current_log(tree: Path, out: Path, namespace: str, csrc: str) -> Path | Non
 
 def test_stock_and_fixed_blocks_per_sm_equal(tmp_path: Path) -> None:
     from harness import kernels
-    from harness.build import venv_python
+    from harness.venv import venv_python
 
     project = Project.discover()
     tree = project.tree
@@ -170,6 +171,13 @@ def test_stock_and_fixed_blocks_per_sm_equal(tmp_path: Path) -> None:
         "series": _current_log(tree, out, "marlin_series", str(csrc["series"])),
     }
     if None in logs.values():
+        if not os.environ.get("VLLM_SERIES_PTXAS_BUILD"):
+            # Two subset builds take about 5 minutes on 2 cores: too long for every `nox`.
+            pytest.skip(
+                "no ptxas logs of the current v0.33.0 and series kernels in "
+                f"{out}: build them with `python -m harness kernels --ptxas-verbose`, "
+                "or set VLLM_SERIES_PTXAS_BUILD=1 to let this test build NVFP4 subsets"
+            )
         if shutil.which("nvcc") is None and not os.environ.get("CUDA_HOME"):
             pytest.skip("nvcc not found: the ptxas reports need a CUDA toolkit")
         python = venv_python(project) if venv_python(project).exists() else None
