@@ -265,6 +265,7 @@ def breakdown_case(
     """Time planner, copy and Marlin of the pool's decode step separately."""
     import torch
     from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
+
     layers = args.layers
     model = torch.nn.ModuleList(pending_layer(i, experts, args.rows) for i in range(layers))
     pool = install_expert_pool(model, torch.device("cuda"), args.decode_tokens)

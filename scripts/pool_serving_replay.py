@@ -35,7 +35,7 @@ Writes ``pool_serving_replay.json`` (harness result schema) to ``--out``.
 from __future__ import annotations
 
 import argparse
-import statistics
+import gc
 import sys
 import time
 from collections import OrderedDict
@@ -44,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pool_decode_replay as base  # noqa: E402
+import pool_decode_replay as base
 
 HIDDEN, INTER, EXPERTS, TOP_K = base.HIDDEN, base.INTER, base.EXPERTS, base.TOP_K
 
@@ -84,16 +84,16 @@ def resident_routes(steps: int, layers: int, tokens: int, slots: int, gen: Any) 
     return out
 
 
-def simulate_lru(
-    routes: list, layers: int, slots: int, bound: int, warmup: int
-) -> dict[str, Any]:
+def simulate_lru(routes: list, layers: int, slots: int, bound: int, warmup: int) -> dict[str, Any]:
     """Offline global LRU over (layer, expert) keys with ``layers * slots``
     rows, initially experts ``0..slots-1`` of every layer (layer-major, the
     order the pool fills its rows). Per layer step: hits are refreshed;
     misses, most-routed first (ties by id), take the least recently used key
     not used in this step, at most ``bound`` of them (0 = no bound); the
     other misses are served for that step only."""
-    lru: OrderedDict = OrderedDict(((layer, e), None) for layer in range(layers) for e in range(slots))
+    lru: OrderedDict = OrderedDict(
+        ((layer, e), None) for layer in range(layers) for e in range(slots)
+    )
     hits = misses = promoted = 0
     hits_w = misses_w = 0
     for s, step in enumerate(routes):
@@ -142,9 +142,7 @@ def new_pool(args: argparse.Namespace, host: dict[str, Any], tokens: int) -> Any
     import torch
     from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
 
-    model = torch.nn.ModuleList(
-        base.pending_layer(i, host, args.rows) for i in range(args.layers)
-    )
+    model = torch.nn.ModuleList(base.pending_layer(i, host, args.rows) for i in range(args.layers))
     pool = install_expert_pool(model, torch.device("cuda"), max(tokens, args.decode_tokens))
     assert pool is not None and tokens * TOP_K <= pool.max_lanes, pool
     return pool, model
@@ -180,14 +178,16 @@ def part_all_resident(
 
     feed(0)
     graph = base.capture_graph(resident_step)
-    entry: dict[str, Any] = {"resident": base.summarize(base.time_graph(graph, feed, args.steps, args.warmup), layers)}
+    entry: dict[str, Any] = {
+        "resident": base.summarize(base.time_graph(graph, feed, args.steps, args.warmup), layers)
+    }
     del graph
     resident.clear()
     torch.cuda.empty_cache()
 
     pool, model = new_pool(args, host, tokens)
 
-    def pool_step() -> None:
+    def pool_step(pool: Any = pool) -> None:
         for layer in pool.layers:
             layer.apply(x, weights, ids[layer.index])
 
@@ -202,12 +202,12 @@ def part_all_resident(
     # Planner + copy launch alone (no misses), as their own graph.
     plans: list[Any] = []
 
-    def plan_copy() -> None:
+    def plan_copy(pool: Any = pool) -> None:
         plans[:] = [layer.plan_step(ids[layer.index], weights) for layer in pool.layers]
-        for layer, plan in zip(pool.layers, plans):
+        for layer, plan in zip(pool.layers, plans, strict=True):
             layer.copy_misses(plan)
 
-    def plan_only() -> None:
+    def plan_only(pool: Any = pool) -> None:
         plans[:] = [layer.plan_step(ids[layer.index], weights) for layer in pool.layers]
 
     for name, fn in (("plan_and_copy", plan_copy), ("plan", plan_only)):
@@ -220,6 +220,7 @@ def part_all_resident(
     entry["misses_total"] = counters(pool)[1]  # all-hit routes: 0
     plans.clear()
     del pool, model
+    gc.collect()  # the pool and its layers refer to each other
     torch.cuda.empty_cache()
     return entry
 
@@ -242,7 +243,7 @@ def part_hit_rate(
     pool, model = new_pool(args, host, tokens)
     pool.tables.promote_limit.fill_(EXPERTS if bound <= 0 else bound)
 
-    def pool_step() -> None:
+    def pool_step(pool: Any = pool) -> None:
         for layer in pool.layers:
             layer.apply(x, weights, ids[layer.index])
 
@@ -286,6 +287,7 @@ def part_hit_rate(
         entry["pool"]["hit_rate_after_warmup"] - sim["hit_rate_after_warmup"]
     )
     del graph, pool, model
+    gc.collect()
     torch.cuda.empty_cache()
     return entry
 
@@ -333,7 +335,10 @@ def main() -> int:
         data["seconds_setup"] = round(time.monotonic() - started, 1)
         for tokens in args.tokens:
             data["all_resident"][str(tokens)] = part_all_resident(args, experts, host, tokens)
-            print(f"all-resident {tokens}: {data['all_resident'][str(tokens)]['ratio']:.3f}x", flush=True)
+            print(
+                f"all-resident {tokens}: {data['all_resident'][str(tokens)]['ratio']:.3f}x",
+                flush=True,
+            )
         for tokens in args.hit_tokens:
             for bound in args.bounds:
                 entry = part_hit_rate(args, host, tokens, bound)
