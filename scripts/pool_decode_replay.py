@@ -15,19 +15,17 @@ decode step of all layers, replayed from a CUDA graph, in four scenarios:
 Each pool scenario uses a fresh pool. Eager warm-up runs with the gate closed,
 then the step is captured and the gate opened, as the worker does. Step time
 is measured with CUDA events around each replay. Miss rates are not read from
-the device during timing: the same route sequence is replayed afterwards
-through the pool's pure-torch reference planner (which the device planner is
-tested to match), from the same initial state.
+the device during timing: they come from the pool's device counters after
+the replays.
 
 ``--breakdown`` adds, per pool scenario and batch, a second fresh pool whose
 decode step is captured as three graphs over all layers - the planner
 (``PoolLayer.plan_step``: on CUDA the fused Triton planner, which also writes
 Marlin's alignment), the row copy (``PoolLayer.copy_misses``) and Marlin
 (``PoolLayer.run_plan``: GEMM1, activation, GEMM2, moe_sum) - replayed in
-that order with the same routes, each timed with CUDA events. It also times
-the previous decode prologue for comparison (the torch planner, then
-``moe_align_block_size`` and the torch logical -> physical block remap) on
-separate tables fed the same routes. Graph launch overhead is in every part;
+that order with the same routes, each timed with CUDA events. (Runs before
+the torch planner left the pool also timed that planner's prologue, as
+``legacy_plan_align_remap``.) Graph launch overhead is in every part;
 compare the sum of the parts with the single-graph step.
 
 Needs torch and a vLLM import that contains
@@ -41,7 +39,7 @@ root::
 Writes ``pool_decode_replay.json`` (harness result schema, kind
 ``pool_decode_replay``) to ``--out``; with ``--breakdown`` each pool entry
 also has a ``breakdown`` object (``plan``, ``copy``, ``marlin``,
-``parts_sum_median_ms``, ``legacy_plan_align_remap``).
+``parts_sum_median_ms``).
 """
 
 from __future__ import annotations
@@ -150,34 +148,17 @@ def make_routes(
 
 
 def reference_misses(pool: Any, routes: Any, weights: Any) -> dict[str, float]:
-    """Misses of the replayed route sequence (warm-up steps included).
-
-    The routes are replayed through the reference planner from the initial
-    state with the gate open, exactly as the graph replays ran them.
-    """
-    from vllm.model_executor.layers.fused_moe.expert_pool.tables import (
-        ReferenceState,
-        allocate_tables,
-        reference_decode_step,
-    )
-
-    t = pool.tables
-    fresh = allocate_tables(t.num_layers, t.num_experts, pool.geometry.slots, t.staging_rows, "cpu")
-    state = ReferenceState.from_tables(fresh)
-    state.gate = True
-    routes_l = routes.cpu().tolist()
-    weights_l = weights.cpu().tolist()
-    copies = routed = 0
-    for step in routes_l:
-        for layer, ids in enumerate(step):
-            _, step_copies = reference_decode_step(state, layer, ids, weights_l)
-            copies += len(step_copies)
-            routed += len({e for token in ids for e in token})
+    """Misses of the replayed route sequence, from the pool's device counters
+    (every replay ran with the gate open; the eager warm-up with it closed is
+    not counted). The planner is tested step for step against the reference
+    planner in tests/kernels/expert_pool/reference_planner.py."""
+    stats = pool.stats()
+    copies, routed = sum(stats.misses), sum(stats.hits) + sum(stats.misses)
     return {
         "misses": copies,
         "distinct_routed": routed,
         "miss_rate": copies / max(routed, 1),
-        "misses_per_layer_step": copies / (len(routes_l) * len(routes_l[0])),
+        "misses_per_layer_step": copies / (routes.shape[0] * routes.shape[1]),
     }
 
 
@@ -284,22 +265,12 @@ def breakdown_case(
     """Time planner, copy and Marlin of the pool's decode step separately."""
     import torch
     from vllm.model_executor.layers.fused_moe.expert_pool import install_expert_pool
-    from vllm.model_executor.layers.fused_moe.expert_pool.tables import (
-        allocate_tables,
-        plan_decode_step,
-    )
-    from vllm.model_executor.layers.fused_moe.moe_align_block_size import (
-        moe_align_block_size,
-    )
 
     layers = args.layers
     model = torch.nn.ModuleList(pending_layer(i, experts, args.rows) for i in range(layers))
     pool = install_expert_pool(model, torch.device("cuda"), args.decode_tokens)
     assert pool is not None
     t = pool.tables
-    legacy = allocate_tables(
-        t.num_layers, t.num_experts, pool.geometry.slots, t.staging_rows, "cuda"
-    )
     plans: list[Any] = []
 
     def plan_all() -> None:
@@ -313,40 +284,24 @@ def breakdown_case(
         for layer, plan in zip(pool.layers, plans, strict=True):
             layer.run_plan(x, weights, plan)
 
-    def legacy_all() -> None:
-        # The decode prologue before the fused planner: torch planner, stock
-        # alignment on logical ids, torch remap to physical rows.
-        for layer in pool.layers:
-            ids = static_ids[layer.index]
-            plan = plan_decode_step(legacy, layer.index, ids, weights, pool.max_lanes)
-            block = layer.block_size_for(ids.shape[0], ids.shape[1])
-            _, blocks, _ = moe_align_block_size(
-                plan.safe_ids, block, EXPERTS, None, ignore_invalid_experts=True
-            )
-            valid = (blocks >= 0) & (blocks < EXPERTS)
-            rows = plan.step_map[blocks.clamp(0, EXPERTS - 1).long()]
-            torch.where(valid, rows, -1).to(torch.int32)
-
     static_ids.copy_(routes[0])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graphs = {}
     with torch.cuda.stream(stream):
-        for fn in (plan_all, copy_all, marlin_all, legacy_all):
+        for fn in (plan_all, copy_all, marlin_all):
             fn()  # eager warm-up, gates closed
     torch.cuda.current_stream().wait_stream(stream)
     for name, fn in (
         ("plan", plan_all),
         ("copy", copy_all),
         ("marlin", marlin_all),
-        ("legacy_plan_align_remap", legacy_all),
     ):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             fn()
         graphs[name] = graph
     t.set_gate(True)
-    legacy.set_gate(True)
 
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -492,7 +447,7 @@ def main() -> int:
                     "    breakdown: "
                     + "  ".join(
                         f"{name} {parts[name]['median_ms']:.3f}"
-                        for name in ("plan", "copy", "marlin", "legacy_plan_align_remap")
+                        for name in ("plan", "copy", "marlin")
                     )
                     + f"  (parts sum {parts['parts_sum_median_ms']:.3f} ms)"
                 )
