@@ -1,5 +1,11 @@
 """The pool's fused decode planner against its torch planner, step for step, at model scale.
 
+Runs only against series whose 0001 still has the torch planner (series hash
+9b1eedf3c5ae and earlier); since the serving-width 0001 (2026-12-01), 0001 keeps no planner but the
+fused one, and tests/kernels/expert_pool/test_pool_marlin_cuda.py
+(test_fused_planner_matches_reference_at_model_scale) checks it step for step
+against the reference planner in tests/. Kept as the provenance of its results.
+
     PYTHONPATH=.:<vllm tree> python3 scripts/planner_race_check.py --out DIR
 
 Allocates only the placement tables of a GLM-like pool (``--layers`` layers x

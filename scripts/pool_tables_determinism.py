@@ -1,5 +1,11 @@
 """Do the expert pool's placement tables evolve the same way twice on one GPU?
 
+Runs only against series whose 0001 still has the torch planner (series hash
+9b1eedf3c5ae and earlier); since the serving-width 0001 (2026-12-01), 0001 keeps no planner but the
+fused one, and tests/kernels/expert_pool/test_pool_marlin_cuda.py
+(test_fused_planner_matches_reference_at_model_scale) checks it step for step
+against the reference planner in tests/. Kept as the provenance of its results.
+
     PYTHONPATH=.:<vllm tree> python3 scripts/pool_tables_determinism.py --out DIR \\
         [--experts 256 --rows 192] [--runs 3]
 
