@@ -6,7 +6,7 @@ through the link), runs the CPU tests of 0005 from the patched tree against
 that copy, and records the first test that fails. A mutation no test catches
 is reported as "survived".
 
-    python scripts/b12x_mutations.py \
+    python scripts/b12x_mutations.py --in-process \
         --python .work/venv/bin/python --tree .work/vllm --out /tmp/mutations.json
 
 Prints a Markdown table; ``--out`` also writes the rows as JSON.
@@ -51,7 +51,8 @@ ACQUIRE = """        self._wrapper: Any = _B12X_WRAPPERS.acquire(
 
 def mutations() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
     """(id, description, file, [(old, new), ...])."""
-    rows = []
+    # The baseline: no edit, every test must pass ("survived").
+    rows = [("B0", "none (baseline)", MODULE, [])]
     for i, (name, typ) in enumerate(KEY_FIELDS, 1):
         rows.append(
             (
@@ -107,6 +108,55 @@ def mutations() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
     return rows
 
 
+# Runs every mutation in one interpreter: vLLM is imported once, and each
+# mutation re-executes the two modules' (edited) sources in their module
+# objects before pytest re-imports the test file. Much faster on a loaded
+# host than one pytest process per mutation.
+CHILD = r"""
+import json, sys
+from pathlib import Path
+import pytest
+import vllm.model_executor.layers.fused_moe.utils as U
+import vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe as M
+
+plan = json.loads(Path(sys.argv[1]).read_text())
+mods = {plan["utils"]: U, plan["module"]: M}
+orig = {rel: Path(mod.__file__).read_text() for rel, mod in mods.items()}
+
+
+class Record:
+    def __init__(self):
+        self.failed = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.failed.append(report.nodeid)
+
+
+def load(texts):
+    for rel in (plan["utils"], plan["module"]):  # the module imports from utils
+        mod = mods[rel]
+        exec(compile(texts[rel], mod.__file__, "exec"), mod.__dict__)
+    for name in [n for n in sys.modules if n.startswith("tests.kernels.moe.test_")]:
+        del sys.modules[name]
+
+
+for mid, rel, edits in plan["mutations"]:
+    texts = dict(orig)
+    for old, new in edits:
+        assert texts[rel].count(old) == 1, (mid, old)
+        texts[rel] = texts[rel].replace(old, new)
+    load(texts)
+    rec = Record()
+    stop = ["-x"] if plan["stop_at_first"] else []
+    rc = pytest.main(["-p", "no:cacheprovider", *stop, "-q", "--no-header", "-p",
+                      "no:warnings", *plan["tests"]], plugins=[rec])
+    print("MUTATION " + json.dumps(dict(id=mid, rc=int(rc), failed=rec.failed)),
+          flush=True)
+load(orig)
+"""
+
+
 def first_failure(output: str) -> str:
     match = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
     if not match:
@@ -121,6 +171,10 @@ def main() -> int:
     parser.add_argument("--overlay", default=None, help="scratch dir (same filesystem as the venv)")
     parser.add_argument("--only", default="", help="comma-separated mutation ids")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--all-failures", action="store_true",
+                        help="with --in-process: run every test, list every failure")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run all mutations in one interpreter (faster)")
     args = parser.parse_args()
 
     python = Path(args.python).absolute()
@@ -152,8 +206,35 @@ def main() -> int:
         raise SystemExit(f"vllm resolves to {probe}, not to the overlay")
     only = set(filter(None, args.only.split(",")))
     rows = []
+    if args.in_process:
+        plan = dict(
+            utils=UTILS, module=MODULE, tests=TESTS, stop_at_first=not args.all_failures,
+            mutations=[(mid, rel, edits) for mid, _, rel, edits in mutations()
+                       if not only or mid in only],
+        )
+        plan_file = overlay / "plan.json"
+        plan_file.write_text(json.dumps(plan))
+        what = {mid: (w, rel) for mid, w, rel, _ in mutations()}
+        proc = subprocess.Popen(
+            [str(python), "-c", CHILD, str(plan_file)], cwd=rundir, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith("MUTATION "):
+                continue
+            result = json.loads(line[len("MUTATION "):])
+            caught = (", ".join(f.split("::", 1)[-1] for f in result["failed"])
+                      if result["failed"]
+                      else "survived" if result["rc"] == 0
+                      else f"pytest exit {result['rc']}")
+            row = dict(id=result["id"], mutation=what[result["id"]][0],
+                       file=what[result["id"]][1], caught_by=caught)
+            rows.append(row)
+            print(f"| {row['id']} | {row['mutation']} | `{caught}` |", flush=True)
+        proc.wait()
     for mid, what, rel, edits in mutations():
-        if only and mid not in only:
+        if args.in_process or (only and mid not in only):
             continue
         target = overlay / rel
         original = target.read_text()
@@ -181,7 +262,9 @@ def main() -> int:
     shutil.rmtree(overlay)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
-    return 1 if any(r["caught_by"] == "survived" for r in rows) else 0
+    survived = [r for r in rows if r["caught_by"] == "survived" and r["id"] != "B0"]
+    baseline = [r for r in rows if r["id"] == "B0"]
+    return 1 if survived or any(r["caught_by"] != "survived" for r in baseline) else 0
 
 
 if __name__ == "__main__":
