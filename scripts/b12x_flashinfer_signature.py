@@ -33,7 +33,7 @@ def params(fn: ast.FunctionDef) -> tuple[set[str], set[str]]:
     a = fn.args
     names = [x.arg for x in a.args[1:]]
     required = set(names[: len(names) - len(a.defaults)])
-    required |= {k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults) if d is None}
+    required |= {k.arg for k, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None}
     return set(names) | {k.arg for k in a.kwonlyargs}, required
 
 

@@ -72,7 +72,7 @@ def mutations() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
         ("C1", "capacity without the DP factor", MODULE,
          [("fi_moe_largest_bucket(moe_config, min_num_tokens=0)", "moe_config.max_num_tokens")]),
         ("C2", "capacity with the 8192 autotune floor", MODULE,
-         [("fi_moe_largest_bucket(moe_config, min_num_tokens=0)", "fi_moe_largest_bucket(moe_config)")]),
+         [("fi_moe_largest_bucket(moe_config, min_num_tokens=0)", "fi_moe_largest_bucket(moe_config)")]),  # noqa: E501 (one mutation per entry)
         ("C3", "helper ignores `min_num_tokens` (always 8192)", UTILS,
          [("max(moe_config.max_num_tokens * dp_size, min_num_tokens)",
            "max(moe_config.max_num_tokens * dp_size, 8192)")]),
@@ -92,9 +92,9 @@ def mutations() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
            "            pass\n")]),
         ("L3", "silent per-layer fallback without a current config", MODULE,
          [("        if owner is None:\n            raise RuntimeError(",
-           "        if owner is None:\n            return factory()\n            raise RuntimeError(")]),
+           "        if owner is None:\n            return factory()\n            raise RuntimeError(")]),  # noqa: E501 (one mutation per entry)
         ("L4", "layer holds the wrapper weakly", MODULE,
-         [(ACQUIRE, "        self._wrapper: Any = weakref.proxy(\n" + ACQUIRE.split("= ", 1)[1] + ")")]),
+         [(ACQUIRE, "        self._wrapper: Any = weakref.proxy(\n" + ACQUIRE.split("= ", 1)[1] + ")")]),  # noqa: E501 (one mutation per entry)
         ("L5", "lazy acquisition in apply() (the 0.33.0 timing)", MODULE,
          [(ACQUIRE, "        self._wrapper: Any = None"),
           ("        wrapper_output = self._wrapper.run(",
@@ -200,7 +200,11 @@ def main() -> int:
     shutil.copyfile(tree / "pyproject.toml", rundir / "pyproject.toml")
     env = {**os.environ, "PYTHONPATH": str(overlay), "VLLM_TARGET_DEVICE": "cpu"}
     probe = subprocess.run(
-        [str(python), "-c", "import vllm.model_executor.layers.fused_moe.utils as m; print(m.__file__)"],
+        [
+            str(python),
+            "-c",
+            "import vllm.model_executor.layers.fused_moe.utils as m; print(m.__file__)",
+        ],
         cwd=rundir, env=env, check=True, capture_output=True, text=True).stdout.strip()
     if not probe.startswith(str(overlay)):
         raise SystemExit(f"vllm resolves to {probe}, not to the overlay")
