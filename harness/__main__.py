@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness import build, bundle, checks, document, kernels, lint, matrix, patches, series, test
-from harness.project import HarnessError, Identity, Project
+from harness.project import RELEASE_ENV, HarnessError, Identity, Project
 
 
 def _identity(value: str) -> Identity:
@@ -121,7 +121,9 @@ def parser() -> argparse.ArgumentParser:
             "Apply, export, check, build and test the vLLM MoE expert-offload patch "
             "series on its pinned vLLM release. The vLLM tree lives in "
             "$VLLM_SERIES_WORK (default .work/vllm); downloads are cached in "
-            "$VLLM_SERIES_CACHE (default ~/.cache/vllm-series)."
+            "$VLLM_SERIES_CACHE (default ~/.cache/vllm-series). $VLLM_SERIES_VLLM=VERSION "
+            "runs base, apply, build, test and lint on another release pinned in "
+            "patches/base.toml, in its own work area ($VLLM_SERIES_WORK/releases/VERSION)."
         ),
     )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -394,10 +396,33 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
+# Commands that read or write what is made on [base]'s release only (patches/,
+# SERIES.md, the results, the release kernels): on another release they would
+# record that release's base in place of the series' own.
+DEFAULT_ONLY = ("export", "check", "doc", "matrix", "bundle", "kernels", "replay")
+
+
+def refuse_off_default(project: Project, args: argparse.Namespace) -> None:
+    """Refuse a :data:`DEFAULT_ONLY` command when ``$VLLM_SERIES_VLLM`` selects another release.
+
+    ``export --out DIR`` (a submission copy for that release) is allowed.
+    """
+    if project.on_default or args.command not in DEFAULT_ONLY:
+        return
+    if args.command == "export" and args.out is not None:
+        return
+    raise HarnessError(
+        f"`{args.command}` works on vLLM {project.pin.default.version}, the release patches/ "
+        f"is made on, but {RELEASE_ENV}={project.vllm} selects another; unset it (the "
+        f"per-release commands are base, apply, reset, range-diff, build, test, selftest, lint)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    project = Project.discover()
     try:
+        project = Project.discover()
+        refuse_off_default(project, args)
         return int(args.handler(project, args))
     except HarnessError as exc:
         print(f"error: {exc}", file=sys.stderr)
