@@ -91,11 +91,27 @@ def _cmd_doc(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
-    data = matrix.run_matrix(project)
+    data = matrix.run_matrix(project, test_releases=args.test)
     for row in data["rows"]:
-        cells = ", ".join(f"{v}: {c['outcome']}" for v, c in row["cells"].items())
+        cells = ", ".join(
+            f"{v}: {c['outcome']}"
+            + (
+                f" / build {c['build']['result']} / test {c['test']['result']}"
+                if "test" in c
+                else ""
+            )
+            for v, c in row["cells"].items()
+        )
         print(f"{row['patch']}: {cells}")
-    return 0
+    failed = [
+        f"{version} {step}"
+        for version, run in data.get("runs", {}).items()
+        for step, outcome in run.items()
+        if outcome["result"] == "failed"
+    ]
+    if failed:
+        print("matrix: failed: " + ", ".join(failed))
+    return 1 if failed else 0
 
 
 def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
@@ -235,11 +251,18 @@ def parser() -> argparse.ArgumentParser:
         metavar="PATH:NAMESPACE",
         help="a kernel library from `harness kernels` to carry (repeatable)",
     )
-    add(
+    mx = add(
         "matrix",
         _cmd_matrix,
         "classify each patch on the releases listed in patches/base.toml "
         "(clean / 3way / rebase / upstream); writes results/matrix.json and SERIES.md",
+    )
+    mx.add_argument(
+        "--test",
+        action="store_true",
+        help="then, on each release where the whole series applies, apply, build (python-only) "
+        "and run the series' CPU tests in that release's own work area, timed per cell "
+        "(exit 1 when a step fails there)",
     )
     _add_replay_commands(add)
     return top

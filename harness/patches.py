@@ -148,7 +148,7 @@ def patch_subject(patch: Path) -> str:
 def patch_tests(patch: Path) -> list[str]:
     """Test files a patch adds or changes."""
     names = re.findall(
-        r"^diff --git a/\S+ b/(tests/\S*/test_[^/\s]+\.py)$", patch.read_text(), re.M
+        r"^diff --git a/\S+ b/(tests/(?:\S*/)?test_[^/\s]+\.py)$", patch.read_text(), re.M
     )
     return sorted(set(names))
 

@@ -195,10 +195,14 @@ class Project:
         release apart from the default work area). The version is checked
         against ``patches/base.toml`` here, so a typo fails at once.
         """
-        root_work = self.work if self.vllm is None else self.work.parent.parent
-        selected = dataclasses.replace(self, vllm=version, work=root_work / "releases" / version)
+        selected = dataclasses.replace(self, vllm=version, work=self.release_work(version))
         selected.pin  # noqa: B018 (raises for a release base.toml does not fully pin)
         return selected
+
+    def release_work(self, version: str) -> Path:
+        """The work area of release ``version``, ``<work>/releases/<version>`` (not checked)."""
+        root_work = self.work if self.vllm is None else self.work.parent.parent
+        return root_work / "releases" / version
 
     @property
     def patches(self) -> Path:

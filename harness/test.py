@@ -64,6 +64,47 @@ def parse_junit(path: Path, tests: tuple[str, ...], gpu: str) -> TestReport:
     return TestReport(tests, passed, failed, errors, tuple(skipped), gpu)
 
 
+def junit_path(project: Project) -> Path:
+    """Where :func:`run_tests` leaves pytest's JUnit report."""
+    return project.work / "test-report.xml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One test case of a JUnit report: its file, its id, what happened and how long it took."""
+
+    file: str
+    test_id: str
+    outcome: str  # "passed", "failed", "error" or "skipped"
+    seconds: float
+
+
+def junit_cases(path: Path) -> list[Case]:
+    """Every test case of pytest's JUnit XML, with the test file it came from."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname = case.get("classname", "")
+        outcome = next(iter(case), None)
+        tag = "passed" if outcome is None or outcome.tag in _OUTPUT_TAGS else outcome.tag
+        # "tests.kernels.moe.test_x" (or "...test_x.TestClass"): the module's file
+        parts = classname.split(".")
+        while parts and not parts[-1].startswith("test_"):
+            parts.pop()
+        file = "/".join(parts) + ".py" if parts else classname
+        cases.append(
+            Case(
+                file=file,
+                test_id=f"{file}::{case.get('name')}",
+                outcome={"failure": "failed"}.get(tag, tag),
+                seconds=float(case.get("time") or 0.0),
+            )
+        )
+    return cases
+
+
+_OUTPUT_TAGS = ("system-out", "system-err", "properties")
+
+
 def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestReport:
     """``python -m harness test``: pytest over the series' tests, from the patched tree."""
     tree, base = series.prepare(project)
@@ -84,7 +125,8 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
     rundir = project.work / "testrun"
     # tests/ and pyproject.toml (pytest markers) only: `vllm` must come from the wheel
     build.snapshot(tree, rundir, ("tests", "pyproject.toml"))
-    junit = project.work / "test-report.xml"
+    junit = junit_path(project)
+    junit.unlink(missing_ok=True)  # a report from an earlier run must not stand for this one
     progress(f"running {len(tests)} test file(s) on GPU: {gpu}")
     proc = subprocess.run(
         [
