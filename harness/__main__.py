@@ -66,6 +66,8 @@ def _cmd_test(project: Project, args: argparse.Namespace) -> int:
     report = test.run_tests(project, args.pytest_args)
     for name, reason in report.skipped:
         print(f"SKIPPED {name}: {reason}")
+    for name, reason in report.deselected:
+        print(f"DESELECTED (patches/base.toml) {name}: {reason}")
     print(report.summary())
     return 0 if report.ok else 1
 

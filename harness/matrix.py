@@ -77,11 +77,13 @@ def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
-def cell_tests(patches: Sequence[Path], cases: Sequence[test.Case]) -> dict[str, dict[str, Any]]:
+def cell_tests(
+    patches: Sequence[Path], cases: Sequence[test.Case], deselected: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
     """Each patch's test result from one run's cases: its own test files' cases only.
 
     ``failed`` names the first failing case; a patch that adds or changes no
-    test file reads ``no tests``.
+    test file reads ``no tests``; tests the release's pin deselects are counted.
     """
     out: dict[str, dict[str, Any]] = {}
     for patch in patches:
@@ -100,6 +102,8 @@ def cell_tests(patches: Sequence[Path], cases: Sequence[test.Case]) -> dict[str,
             passed = sum(c.outcome == "passed" for c in mine)
             skipped = sum(c.outcome == "skipped" for c in mine)
             detail = f"{passed} passed, {skipped} skipped"
+            if dropped := sum(d.split("::", 1)[0] in files for d in deselected):
+                detail += f", {dropped} deselected (patches/base.toml)"
             out[patch.name] = {"result": "passed", "detail": detail, "seconds": seconds}
     return out
 
@@ -145,7 +149,11 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
                              "detail": outcome.summary()}  # fmt: skip
         run[name]["seconds"] = round(time.monotonic() - started, 1)
     per_test = (
-        cell_tests(patches, test.junit_cases(test.junit_path(release)))
+        cell_tests(
+            patches,
+            test.junit_cases(test.junit_path(release)),
+            [test_id for test_id, _ in release.pin.deselect],
+        )
         if report is not None and test.junit_path(release).exists()
         else {p.name: _not_run(f"{run['test']['detail'] or 'tests not run'}") for p in patches}
     )

@@ -26,6 +26,7 @@ import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,6 +105,9 @@ class Pin:
     identity: Identity
     matrix: tuple[Release, ...]
     default: Release
+    # (pytest node id, why): series tests not run on this release, each with its
+    # reason; a [[matrix]] entry's `deselect` table. Reported, never silent.
+    deselect: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_default(self) -> bool:
@@ -143,12 +147,13 @@ class Pin:
             identity=Identity(**data["identity"]),
             matrix=matrix,
             default=default,
+            deselect=tuple(dict(chosen.get("deselect", {})).items()),
         )
 
 
 def _matrix_entry(
-    path: Path, entries: list[dict[str, str]], version: str, default: str
-) -> dict[str, str]:
+    path: Path, entries: list[dict[str, Any]], version: str, default: str
+) -> dict[str, Any]:
     """The ``[[matrix]]`` entry of ``version``; refused unless it has all :data:`RELEASE_KEYS`."""
     found = [m for m in entries if m["version"] == version]
     if not found:

@@ -34,6 +34,8 @@ class TestReport:
     errors: int
     skipped: tuple[tuple[str, str], ...]  # (test id, reason)
     gpu: str  # the GPU pytest ran on, or "none"
+    # (pytest node id, reason): not run on this release, from patches/base.toml
+    deselected: tuple[tuple[str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -42,7 +44,9 @@ class TestReport:
     def summary(self) -> str:
         return (
             f"series tests: {self.passed} passed, {self.failed} failed, "
-            f"{self.errors} errors, {len(self.skipped)} skipped (GPU: {self.gpu})"
+            f"{self.errors} errors, {len(self.skipped)} skipped"
+            + (f", {len(self.deselected)} deselected" if self.deselected else "")
+            + f" (GPU: {self.gpu})"
         )
 
 
@@ -126,6 +130,9 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
     # tests/ and pyproject.toml (pytest markers) only: `vllm` must come from the wheel
     build.snapshot(tree, rundir, ("tests", "pyproject.toml"))
     junit = junit_path(project)
+    deselected = project.pin.deselect
+    for test_id, why in deselected:
+        progress(f"deselected on vLLM {project.pin.release.version}: {test_id}: {why}")
     junit.unlink(missing_ok=True)  # a report from an earlier run must not stand for this one
     progress(f"running {len(tests)} test file(s) on GPU: {gpu}")
     proc = subprocess.run(
@@ -138,6 +145,7 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
             "-rs",
             "-q",
             f"--junitxml={junit}",
+            *(f"--deselect={test_id}" for test_id, _ in deselected),
             *tests,
             *(pytest_args or []),
         ],
@@ -149,7 +157,7 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
         raise HarnessError(f"no test of the series matched the pytest arguments {pytest_args}")
     if proc.returncode not in (0, 1) or not junit.exists():
         raise HarnessError(f"pytest could not run the series' tests (exit {proc.returncode})")
-    report = parse_junit(junit, tests, gpu)
+    report = dataclasses.replace(parse_junit(junit, tests, gpu), deselected=deselected)
     (project.work / "test-report.json").write_text(
         json.dumps(dataclasses.asdict(report), indent=2) + "\n"
     )

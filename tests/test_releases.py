@@ -124,3 +124,33 @@ def test_the_tree_must_build_with_the_pinned_torch() -> None:
     expected = re.escape("torch 2.14.0, but patches/base.toml pins torch 2.13.0")
     with pytest.raises(HarnessError, match=expected):
         build.check_torch_pin(["torch==2.14.0"], "2.13.0", "0.32.0")
+
+
+def test_every_deselected_test_is_a_series_test_with_a_reason() -> None:
+    """A release's deselect list names tests the series really has, each with a reason."""
+    from harness.patches import patch_tests
+
+    project = Project.discover(env={})
+    patches = list((REPO / "patches").glob("[0-9][0-9][0-9][0-9]-*.patch"))
+    for release in project.pin.releases:
+        for test_id, why in Pin.load(REAL_PIN, release.version).deselect:
+            file, _, name = test_id.partition("::")
+            owners = [p for p in patches if file in patch_tests(p)]
+            assert owners, f"{test_id}: no patch adds or changes {file}"
+            assert any(f"+def {name}(" in p.read_text() for p in owners), test_id
+            assert len(why) > 20
+    assert Pin.load(REAL_PIN).deselect == ()  # the base release runs every test
+
+
+def test_deselected_tests_are_reported_per_cell(tmp_path: Path) -> None:
+    from harness import matrix, test
+
+    patch = tmp_path / "0001-a.patch"
+    patch.write_text("diff --git a/tests/x/test_a.py b/tests/x/test_a.py\n")
+    case = test.Case("tests/x/test_a.py", "tests/x/test_a.py::test_one", "passed", 1.0)
+    cells = matrix.cell_tests([patch], [case], ["tests/x/test_a.py::test_two"])
+    assert (
+        cells["0001-a.patch"]["detail"] == "1 passed, 0 skipped, 1 deselected (patches/base.toml)"
+    )
+    report = test.TestReport((), 1, 0, 0, (), "none", (("tests/x/test_a.py::test_two", "why"),))
+    assert "1 deselected" in report.summary() and report.ok
