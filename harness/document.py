@@ -86,8 +86,13 @@ def _step_cell(step: dict[str, Any] | None, *, timed: bool = True) -> str:
         return f"not run: {detail}"
     if result == "no tests":
         return "no tests"
-    text = f"{result}: {detail}" if result == "failed" and detail else result
-    return text + (f", {_seconds(step['seconds'])}" if timed and step.get("seconds") else "")
+    if result == "failed" and detail:
+        text = f"{result}: {detail}"
+    elif detail and timed:  # a test cell: its counts (all skipped reads "0 passed")
+        text = f"{result} ({detail})"
+    else:
+        text = result
+    return text + (f", {_seconds(step['seconds'])}" if timed and "seconds" in step else "")
 
 
 def render_matrix(project: Project) -> str:
