@@ -3,6 +3,14 @@
 ``nox -s apply build test`` is the main job; plain ``nox`` runs everything CI
 runs. Sessions stop at the first failure, and neither nox nor uv downloads a
 Python interpreter.
+
+``VLLM_SERIES_VLLM=0.32.0 nox -s apply build test`` runs the same sessions on
+another release pinned in ``patches/base.toml``, in its own work area. The
+release is chosen by an environment variable rather than by ``-- --vllm``:
+nox hands one list of posargs to every session of a run, and ``test`` passes
+its posargs to pytest, so each session would have to pick the option out of
+them; the variable reaches ``python -m harness`` in every session unchanged,
+works without nox, and is what a CI job sets per release.
 """
 
 from __future__ import annotations
@@ -103,8 +111,8 @@ def bundle(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
-    """Classify each patch on vLLM 0.30.0-0.33.0 (downloads three more sdists)."""
-    _harness(session, "matrix")
+    """Classify each patch on vLLM 0.30.0-0.33.0 (`-- --test`: then apply, build and test each)."""
+    _harness(session, "matrix", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness import build, bundle, checks, document, kernels, lint, matrix, patches, series, test
-from harness.project import HarnessError, Identity, Project
+from harness.project import RELEASE_ENV, HarnessError, Identity, Project
 
 
 def _identity(value: str) -> Identity:
@@ -66,6 +66,8 @@ def _cmd_test(project: Project, args: argparse.Namespace) -> int:
     report = test.run_tests(project, args.pytest_args)
     for name, reason in report.skipped:
         print(f"SKIPPED {name}: {reason}")
+    for name, reason in report.deselected:
+        print(f"DESELECTED (patches/base.toml) {name}: {reason}")
     print(report.summary())
     return 0 if report.ok else 1
 
@@ -91,11 +93,27 @@ def _cmd_doc(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
-    data = matrix.run_matrix(project)
+    data = matrix.run_matrix(project, test_releases=args.test)
     for row in data["rows"]:
-        cells = ", ".join(f"{v}: {c['outcome']}" for v, c in row["cells"].items())
+        cells = ", ".join(
+            f"{v}: {c['outcome']}"
+            + (
+                f" / build {c['build']['result']} / test {c['test']['result']}"
+                if "test" in c
+                else ""
+            )
+            for v, c in row["cells"].items()
+        )
         print(f"{row['patch']}: {cells}")
-    return 0
+    failed = [
+        f"{version} {step}"
+        for version, run in data.get("runs", {}).items()
+        for step, outcome in run.items()
+        if outcome["result"] == "failed"
+    ]
+    if failed:
+        print("matrix: failed: " + ", ".join(failed))
+    return 1 if failed else 0
 
 
 def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
@@ -121,7 +139,9 @@ def parser() -> argparse.ArgumentParser:
             "Apply, export, check, build and test the vLLM MoE expert-offload patch "
             "series on its pinned vLLM release. The vLLM tree lives in "
             "$VLLM_SERIES_WORK (default .work/vllm); downloads are cached in "
-            "$VLLM_SERIES_CACHE (default ~/.cache/vllm-series)."
+            "$VLLM_SERIES_CACHE (default ~/.cache/vllm-series). $VLLM_SERIES_VLLM=VERSION "
+            "runs base, apply, build, test and lint on another release pinned in "
+            "patches/base.toml, in its own work area ($VLLM_SERIES_WORK/releases/VERSION)."
         ),
     )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -233,11 +253,18 @@ def parser() -> argparse.ArgumentParser:
         metavar="PATH:NAMESPACE",
         help="a kernel library from `harness kernels` to carry (repeatable)",
     )
-    add(
+    mx = add(
         "matrix",
         _cmd_matrix,
         "classify each patch on the releases listed in patches/base.toml "
         "(clean / 3way / rebase / upstream); writes results/matrix.json and SERIES.md",
+    )
+    mx.add_argument(
+        "--test",
+        action="store_true",
+        help="then, on each release where the whole series applies, apply, build (python-only) "
+        "and run the series' CPU tests in that release's own work area, timed per cell "
+        "(exit 1 when a step fails there)",
     )
     _add_replay_commands(add)
     return top
@@ -394,10 +421,33 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
+# Commands that read or write what is made on [base]'s release only (patches/,
+# SERIES.md, the results, the release kernels): on another release they would
+# record that release's base in place of the series' own.
+DEFAULT_ONLY = ("export", "check", "doc", "matrix", "bundle", "kernels", "replay")
+
+
+def refuse_off_default(project: Project, args: argparse.Namespace) -> None:
+    """Refuse a :data:`DEFAULT_ONLY` command when ``$VLLM_SERIES_VLLM`` selects another release.
+
+    ``export --out DIR`` (a submission copy for that release) is allowed.
+    """
+    if project.on_default or args.command not in DEFAULT_ONLY:
+        return
+    if args.command == "export" and args.out is not None:
+        return
+    raise HarnessError(
+        f"`{args.command}` works on vLLM {project.pin.default.version}, the release patches/ "
+        f"is made on, but {RELEASE_ENV}={project.vllm} selects another; unset it (the "
+        f"per-release commands are base, apply, reset, range-diff, build, test, selftest, lint)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    project = Project.discover()
     try:
+        project = Project.discover()
+        refuse_off_default(project, args)
         return int(args.handler(project, args))
     except HarnessError as exc:
         print(f"error: {exc}", file=sys.stderr)

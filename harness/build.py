@@ -72,6 +72,21 @@ def build_requirements(tree: Path) -> list[str]:
     return [r.replace(" ", "") for r in data["build-system"]["requires"]]
 
 
+def check_torch_pin(requirements: list[str], torch: str, version: str) -> None:
+    """Refuse a tree whose build requirements pin another torch than ``patches/base.toml``.
+
+    The pin file is what selects each release's torch (and so its venv); a
+    release whose sdist says otherwise has a wrong pin, and building would
+    quietly use a torch the pin does not name.
+    """
+    pinned = [r.removeprefix("torch==") for r in requirements if r.startswith("torch==")]
+    if pinned and pinned != [torch]:
+        raise HarnessError(
+            f"vLLM {version}'s pyproject.toml builds with torch {', '.join(pinned)}, but "
+            f"patches/base.toml pins torch {torch} for it; fix the pin"
+        )
+
+
 def snapshot(tree: Path, dest: Path, paths: tuple[str, ...] = ()) -> None:
     """Export ``HEAD`` of ``tree`` (or only ``paths`` of it) into a fresh ``dest``."""
     shutil.rmtree(dest, ignore_errors=True)
@@ -102,7 +117,9 @@ def build(project: Project, *, full: bool = False, stock_kernels: bool = False) 
             "use --full on a host with CUDA and network access."
         )
     pin = project.pin
-    python = ensure_venv(project, build_requirements(tree))
+    requirements = build_requirements(tree)
+    check_torch_pin(requirements, pin.torch, pin.release.version)
+    python = ensure_venv(project, requirements)
     src = project.work / "build" / "src"
     progress(f"snapshot of series ({git(tree, 'rev-parse', '--short', 'HEAD').stdout.strip()})")
     snapshot(tree, src)

@@ -5,30 +5,47 @@ itself), each patch is applied after the prerequisites its note names, in a
 fresh clone whose objects are only that release's and the pinned base's (what
 an upstream clone has; never the series' own blobs), and classified:
 ``clean``, ``3way``, ``rebase`` (with the failing files), ``upstream``
-(already there), or ``blocked`` when a prerequisite already failed. The JSON
-lands in ``results/matrix.json`` and SERIES.md renders it.
+(already there), or ``blocked`` when a prerequisite already failed. Each
+cell records how long its apply took.
+
+With ``--test`` (:func:`run_matrix` ``test=True``), every release on which
+the whole series applies then runs the normal pipeline in its own work area
+(``<work>/releases/<version>``, the one ``$VLLM_SERIES_VLLM`` selects): apply,
+the python-only build (``--stock-kernels``) and the series' CPU tests. Each
+cell gains a ``build`` and a ``test`` entry: ``passed``, ``failed`` (with the
+first failing test, or the build's error), or ``not run`` with the reason
+(the patch did not apply, or the series stops earlier on that release). The
+build is one wheel per release, so its time is the release's; a cell's test
+time is the sum of its own test files' cases. The JSON lands in
+``results/matrix.json`` and SERIES.md renders it.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from harness import document, results, series
+from harness import build, document, results, series, test
 from harness.applying import apply_alone, base_store, fresh_clone
 from harness.base import materialize
-from harness.patches import load_notes, series_files
-from harness.project import Project, Release, git, progress
+from harness.patches import load_notes, patch_tests, series_files
+from harness.project import HarnessError, Project, Release, git, progress
+
+APPLIED = ("clean", "3way")
 
 
 def classify(project: Project, release: Release) -> dict[str, dict[str, Any]]:
-    """One column of the matrix: ``{patch name: {"outcome": ..., "files": [...]}}``."""
+    """One column of the matrix: ``{patch: {"outcome": ..., "files": [...], "seconds": ...}}``."""
     pin = project.pin
     base_tree, _ = series.prepare(project)
     sources = [(base_tree, pin.release.tag)]
     if release == pin.release:
         base = pin.base_commit
     else:
-        tree = project.work / "matrix" / release.version
+        # The release's own tree (the one `VLLM_SERIES_VLLM` uses), only its tag is read.
+        tree = project.release_work(release.version) / "vllm"
         base = materialize(project, release, tree, pin.identity)
         # With the pinned base's blobs as well, git am's 3-way fallback can
         # work as it does in an upstream clone that has both releases.
@@ -39,22 +56,127 @@ def classify(project: Project, release: Release) -> dict[str, dict[str, Any]]:
     with base_store(sources) as store, fresh_clone(store, base) as clone:
         for patch in patches:
             prereqs = [patches[i - 1] for i in notes[patch.name].requires]
+            started = time.monotonic()
             applied = apply_alone(clone, base, [*prereqs, patch], pin.identity, three_way=True)
+            seconds = round(time.monotonic() - started, 1)
             last = applied[-1]
             if last.patch != patch.name:
                 cells[patch.name] = {"outcome": "blocked", "files": [last.patch]}
             else:
                 cells[patch.name] = {"outcome": last.outcome.value, "files": list(last.files)}
+            cells[patch.name]["seconds"] = seconds
             progress(f"{release.version}: {patch.name}: {cells[patch.name]['outcome']}")
     return cells
 
 
-def run_matrix(project: Project) -> dict[str, Any]:
-    """``python -m harness matrix``: classify every patch on every release; write the JSON."""
+def _not_run(reason: str) -> dict[str, Any]:
+    return {"result": "not run", "detail": reason, "seconds": 0.0}
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def cell_tests(
+    patches: Sequence[Path], cases: Sequence[test.Case], deselected: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """Each patch's test result from one run's cases: its own test files' cases only.
+
+    ``failed`` names the first failing case; a patch that adds or changes no
+    test file reads ``no tests``; tests the release's pin deselects are counted.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for patch in patches:
+        files = set(patch_tests(patch))
+        mine = [c for c in cases if c.file in files]
+        seconds = round(sum(c.seconds for c in mine), 1)
+        bad = [c for c in mine if c.outcome in ("failed", "error")]
+        if not files:
+            out[patch.name] = {"result": "no tests", "detail": "", "seconds": 0.0}
+        elif bad:
+            out[patch.name] = {"result": "failed", "detail": bad[0].test_id, "seconds": seconds}
+        elif not mine:
+            out[patch.name] = {"result": "failed", "detail": "none of its tests ran",
+                               "seconds": 0.0}  # fmt: skip
+        else:
+            passed = sum(c.outcome == "passed" for c in mine)
+            skipped = sum(c.outcome == "skipped" for c in mine)
+            detail = f"{passed} passed, {skipped} skipped"
+            if dropped := sum(d.split("::", 1)[0] in files for d in deselected):
+                detail += f", {dropped} deselected (patches/base.toml)"
+            out[patch.name] = {"result": "passed", "detail": detail, "seconds": seconds}
+    return out
+
+
+def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Apply, build and test the series on ``version`` in its own work area; fill ``cells``.
+
+    Returns the release's run: ``{"apply"|"build"|"test": {"result", "detail", "seconds"}}``.
+    Nothing runs unless every patch applied in :func:`classify`.
+    """
+    patches = series_files(project)
+    stop = next((p for p in patches if cells[p.name]["outcome"] not in APPLIED), None)
+    run: dict[str, Any] = {}
+    if stop is not None:
+        reason = f"the series stops at {stop.name[:4]} on this release"
+        for patch in patches:
+            applied = cells[patch.name]["outcome"] in APPLIED
+            why = reason if applied else "the patch did not apply"
+            cells[patch.name] |= {"build": _not_run(why), "test": _not_run(why)}
+        return {"apply": _not_run(reason), "build": _not_run(reason), "test": _not_run(reason)}
+    release = project.for_release(version)
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("apply", lambda: series.apply(release)),
+        ("build", lambda: build.build(release, stock_kernels=True)),
+        ("test", lambda: test.run_tests(release)),
+    ]
+    report: test.TestReport | None = None
+    for name, step in steps:
+        if any(r["result"] != "passed" for r in run.values()):
+            run[name] = _not_run(f"{list(run)[-1]} failed")
+            continue
+        progress(f"{version}: {name}")
+        started = time.monotonic()
+        try:
+            outcome = step()
+        except HarnessError as exc:
+            run[name] = {"result": "failed", "detail": _first_line(exc)}
+        else:
+            run[name] = {"result": "passed", "detail": ""}
+            if isinstance(outcome, test.TestReport):
+                report = outcome
+                run[name] = {"result": "passed" if outcome.ok else "failed",
+                             "detail": outcome.summary()}  # fmt: skip
+        run[name]["seconds"] = round(time.monotonic() - started, 1)
+    per_test = (
+        cell_tests(
+            patches,
+            test.junit_cases(test.junit_path(release)),
+            [test_id for test_id, _ in release.pin.deselect],
+        )
+        if report is not None and test.junit_path(release).exists()
+        else {p.name: _not_run(f"{run['test']['detail'] or 'tests not run'}") for p in patches}
+    )
+    for patch in patches:
+        build_cell = {k: run["build"][k] for k in ("result", "detail")}
+        build_cell["seconds"] = run["build"]["seconds"]
+        cells[patch.name] |= {"build": build_cell, "test": per_test[patch.name]}
+    return run
+
+
+def run_matrix(project: Project, *, test_releases: bool = False) -> dict[str, Any]:
+    """``python -m harness matrix [--test]``: classify (and run) every release; write the JSON."""
     pin = project.pin
-    releases = [*pin.matrix, pin.release]
-    columns = {r.version: classify(project, r) for r in releases}
-    data = {
+    releases = list(pin.releases)
+    columns: dict[str, dict[str, dict[str, Any]]] = {}
+    runs: dict[str, dict[str, Any]] = {}
+    for release in releases:
+        started = time.monotonic()
+        columns[release.version] = classify(project, release)
+        if test_releases:
+            runs[release.version] = run_release(project, release.version, columns[release.version])
+        progress(f"{release.version}: done in {time.monotonic() - started:.0f} s")
+    data: dict[str, Any] = {
         "git": git(project.root, "--version").stdout.strip(),
         "versions": [r.version for r in releases],
         "rows": [
@@ -62,7 +184,11 @@ def run_matrix(project: Project) -> dict[str, Any]:
             for p in series_files(project)
         ],
     }
-    prov = results.provenance("nox -s matrix")
-    results.write(project.results / "matrix.json", "revision-matrix", data, prov)
+    if test_releases:
+        data["runs"] = runs
+    command = "nox -s matrix -- --test" if test_releases else "nox -s matrix"
+    results.write(
+        project.results / "matrix.json", "revision-matrix", data, results.provenance(command)
+    )
     document.update(project)
     return data

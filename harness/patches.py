@@ -125,6 +125,17 @@ def comparable(text: bytes) -> bytes:
     return text.split(b"\nbase-commit: ", 1)[0]
 
 
+def comparable_on_release(text: bytes) -> bytes:
+    """:func:`comparable`, also without what depends on the release the patch is applied to.
+
+    On another release than the one ``patches/`` is made on, the same commit
+    has other pre-image blob ids (``index`` lines) and its hunks sit at other
+    line numbers (``@@`` lines); its changed and context lines are the same.
+    """
+    text = re.sub(rb"(?m)^index [0-9a-f]+\.\.[0-9a-f]+.*$", b"index", comparable(text))
+    return re.sub(rb"(?m)^@@ [^@]* @@.*$", b"@@", text)
+
+
 def patch_subject(patch: Path) -> str:
     """The commit subject of a format-patch file, without ``[PATCH n/m]``."""
     text = patch.read_text(errors="replace")
@@ -137,7 +148,7 @@ def patch_subject(patch: Path) -> str:
 def patch_tests(patch: Path) -> list[str]:
     """Test files a patch adds or changes."""
     names = re.findall(
-        r"^diff --git a/\S+ b/(tests/\S*/test_[^/\s]+\.py)$", patch.read_text(), re.M
+        r"^diff --git a/\S+ b/(tests/(?:\S*/)?test_[^/\s]+\.py)$", patch.read_text(), re.M
     )
     return sorted(set(names))
 

@@ -6,6 +6,13 @@ Everything the harness writes outside the repository goes under two roots:
   downloaded, hash-checked release files; safe to share between clones;
 * the *work area* (``$VLLM_SERIES_WORK``, default ``<repo>/.work``): the
   materialized vLLM git tree, venvs and built wheels of this clone.
+
+The series is made on the release ``[base]`` of ``patches/base.toml`` pins.
+``$VLLM_SERIES_VLLM`` (or :meth:`Project.for_release`) selects another release
+of its ``[[matrix]]`` list instead: every stage then uses that release's pins
+(sdist, base commit, wheel, torch) and its own work area,
+``<work>/releases/<version>``, so the base release's tree, venv and wheel are
+never touched.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,9 +75,24 @@ class Release:
         return f"vllm-{self.version}.tar.gz"
 
 
+# Selects the release the pipeline runs on (a version of patches/base.toml).
+RELEASE_ENV = "VLLM_SERIES_VLLM"
+
+# What a [[matrix]] entry must pin, beyond its sdist, before the pipeline
+# (apply, build, test) can run on that release.
+RELEASE_KEYS = (
+    "upstream_commit", "base_commit", "wheel", "wheel_sha256", "torch", "flashinfer",
+)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Pin:
-    """The contents of ``patches/base.toml``."""
+    """The contents of ``patches/base.toml``, for one selected release.
+
+    ``release`` and the fields after it up to ``flashinfer`` describe the
+    selected release: ``[base]`` by default, or one ``[[matrix]]`` entry.
+    ``default`` is always ``[base]``'s release, the one ``patches/`` is made on.
+    """
 
     release: Release
     upstream_commit: str
@@ -81,44 +104,110 @@ class Pin:
     python: str
     identity: Identity
     matrix: tuple[Release, ...]
+    default: Release
+    # (pytest node id, why): series tests not run on this release, each with its
+    # reason; a [[matrix]] entry's `deselect` table. Reported, never silent.
+    deselect: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def is_default(self) -> bool:
+        """Whether the selected release is the one the series is made on."""
+        return self.release == self.default
+
+    @property
+    def releases(self) -> tuple[Release, ...]:
+        """Every release the file pins: the ``[[matrix]]`` ones, then ``[base]``'s."""
+        return (*self.matrix, self.default)
 
     @classmethod
-    def load(cls, path: Path) -> Pin:
+    def load(cls, path: Path, version: str | None = None) -> Pin:
+        """The pin of ``version`` (default: ``[base]``'s release) from ``path``."""
         try:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise HarnessError(f"cannot read the base pin {path}: {exc}") from exc
         base = data["base"]
-        release = Release(base["version"], base["sdist_sha256"])
-        if base["sdist"] != release.sdist or base["tag"] != release.tag:
-            raise HarnessError(f"{path}: sdist/tag do not match version {release.version}")
+        default = Release(base["version"], base["sdist_sha256"])
+        if base["sdist"] != default.sdist or base["tag"] != default.tag:
+            raise HarnessError(f"{path}: sdist/tag do not match version {default.version}")
+        entries = data.get("matrix", [])
+        matrix = tuple(Release(m["version"], m["sdist_sha256"]) for m in entries)
+        chosen = base
+        if version is not None and version != default.version:
+            chosen = _matrix_entry(path, entries, version, default.version)
         return cls(
-            release=release,
-            upstream_commit=base["upstream_commit"],
-            base_commit=base["base_commit"],
-            wheel=base["wheel"],
-            wheel_sha256=base["wheel_sha256"],
-            torch=base["torch"],
-            flashinfer=base["flashinfer"],
+            release=Release(chosen["version"], chosen["sdist_sha256"]),
+            upstream_commit=chosen["upstream_commit"],
+            base_commit=chosen["base_commit"],
+            wheel=chosen["wheel"],
+            wheel_sha256=chosen["wheel_sha256"],
+            torch=chosen["torch"],
+            flashinfer=chosen["flashinfer"],
             python=base["python"],
             identity=Identity(**data["identity"]),
-            matrix=tuple(Release(m["version"], m["sdist_sha256"]) for m in data.get("matrix", [])),
+            matrix=matrix,
+            default=default,
+            deselect=tuple(dict(chosen.get("deselect", {})).items()),
         )
+
+
+def _matrix_entry(
+    path: Path, entries: list[dict[str, Any]], version: str, default: str
+) -> dict[str, Any]:
+    """The ``[[matrix]]`` entry of ``version``; refused unless it has all :data:`RELEASE_KEYS`."""
+    found = [m for m in entries if m["version"] == version]
+    if not found:
+        known = ", ".join([*(m["version"] for m in entries), default])
+        raise HarnessError(
+            f"vLLM {version} is not pinned in {path} (${RELEASE_ENV}); pinned releases: {known}"
+        )
+    missing = [k for k in RELEASE_KEYS if k not in found[0]]
+    if missing:
+        raise HarnessError(
+            f"{path}: the [[matrix]] entry of vLLM {version} lacks {', '.join(missing)}, "
+            f"so the pipeline cannot run on it (the revision matrix can still classify it)"
+        )
+    return found[0]
 
 
 @dataclasses.dataclass(frozen=True)
 class Project:
-    """Where things are: the repository, its patches, the cache, the work area."""
+    """Where things are: the repository, its patches, the cache, the work area.
+
+    ``vllm`` is the selected release (``None``: ``[base]``'s); ``work`` is
+    already that release's own work area.
+    """
 
     root: Path
     cache: Path
     work: Path
+    vllm: str | None = None
 
     @classmethod
     def discover(cls, root: Path = REPO, env: Mapping[str, str] = os.environ) -> Project:
         cache = env.get("VLLM_SERIES_CACHE") or str(Path.home() / ".cache" / "vllm-series")
         work = env.get("VLLM_SERIES_WORK") or str(root / ".work")
-        return cls(root=root, cache=Path(cache), work=Path(work))
+        project = cls(root=root, cache=Path(cache), work=Path(work))
+        version = env.get(RELEASE_ENV, "").strip()
+        if not version or version == project.pin.default.version:
+            return project
+        return project.for_release(version)
+
+    def for_release(self, version: str) -> Project:
+        """This project on release ``version``: its pins, work area ``<work>/releases/<version>``.
+
+        Also for ``[base]``'s own version (the revision matrix runs every
+        release apart from the default work area). The version is checked
+        against ``patches/base.toml`` here, so a typo fails at once.
+        """
+        selected = dataclasses.replace(self, vllm=version, work=self.release_work(version))
+        selected.pin  # noqa: B018 (raises for a release base.toml does not fully pin)
+        return selected
+
+    def release_work(self, version: str) -> Path:
+        """The work area of release ``version``, ``<work>/releases/<version>`` (not checked)."""
+        root_work = self.work if self.vllm is None else self.work.parent.parent
+        return root_work / "releases" / version
 
     @property
     def patches(self) -> Path:
@@ -126,7 +215,12 @@ class Project:
 
     @property
     def pin(self) -> Pin:
-        return Pin.load(self.patches / "base.toml")
+        return Pin.load(self.patches / "base.toml", self.vllm)
+
+    @property
+    def on_default(self) -> bool:
+        """Whether the selected release is ``[base]``'s (the one ``patches/`` is made on)."""
+        return self.vllm is None or self.pin.is_default
 
     @property
     def tree(self) -> Path:

@@ -43,6 +43,7 @@ from harness.base import materialize
 from harness.patches import (
     PATCH_GLOB,
     comparable,
+    comparable_on_release,
     listed_names,
     series_files,
     series_hash,
@@ -134,13 +135,17 @@ def ensure_clean(tree: Path) -> None:
 
 
 def matches_patches(project: Project, tree: Path, base: str) -> bool:
-    """Whether the commits ``base..HEAD`` reproduce the first patches of ``patches/``."""
+    """Whether the commits ``base..HEAD`` reproduce the first patches of ``patches/``.
+
+    On another release than ``[base]``'s (``$VLLM_SERIES_VLLM``), blob ids and
+    hunk line numbers are that release's and are not compared.
+    """
     listed = series_files(project)
+    same = comparable if project.on_default else comparable_on_release
     with tempfile.TemporaryDirectory() as tmp:
         exported = format_patches(tree, base, Path(tmp))
         return len(exported) <= len(listed) and all(
-            mine.name == theirs.name
-            and comparable(mine.read_bytes()) == comparable(theirs.read_bytes())
+            mine.name == theirs.name and same(mine.read_bytes()) == same(theirs.read_bytes())
             for mine, theirs in zip(exported, listed, strict=False)
         )
 

@@ -34,6 +34,8 @@ class TestReport:
     errors: int
     skipped: tuple[tuple[str, str], ...]  # (test id, reason)
     gpu: str  # the GPU pytest ran on, or "none"
+    # (pytest node id, reason): not run on this release, from patches/base.toml
+    deselected: tuple[tuple[str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -42,7 +44,9 @@ class TestReport:
     def summary(self) -> str:
         return (
             f"series tests: {self.passed} passed, {self.failed} failed, "
-            f"{self.errors} errors, {len(self.skipped)} skipped (GPU: {self.gpu})"
+            f"{self.errors} errors, {len(self.skipped)} skipped"
+            + (f", {len(self.deselected)} deselected" if self.deselected else "")
+            + f" (GPU: {self.gpu})"
         )
 
 
@@ -62,6 +66,47 @@ def parse_junit(path: Path, tests: tuple[str, ...], gpu: str) -> TestReport:
         elif outcome.tag == "error":
             errors += 1
     return TestReport(tests, passed, failed, errors, tuple(skipped), gpu)
+
+
+def junit_path(project: Project) -> Path:
+    """Where :func:`run_tests` leaves pytest's JUnit report."""
+    return project.work / "test-report.xml"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One test case of a JUnit report: its file, its id, what happened and how long it took."""
+
+    file: str
+    test_id: str
+    outcome: str  # "passed", "failed", "error" or "skipped"
+    seconds: float
+
+
+def junit_cases(path: Path) -> list[Case]:
+    """Every test case of pytest's JUnit XML, with the test file it came from."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname = case.get("classname", "")
+        outcome = next(iter(case), None)
+        tag = "passed" if outcome is None or outcome.tag in _OUTPUT_TAGS else outcome.tag
+        # "tests.kernels.moe.test_x" (or "...test_x.TestClass"): the module's file
+        parts = classname.split(".")
+        while parts and not parts[-1].startswith("test_"):
+            parts.pop()
+        file = "/".join(parts) + ".py" if parts else classname
+        cases.append(
+            Case(
+                file=file,
+                test_id=f"{file}::{case.get('name')}",
+                outcome={"failure": "failed"}.get(tag, tag),
+                seconds=float(case.get("time") or 0.0),
+            )
+        )
+    return cases
+
+
+_OUTPUT_TAGS = ("system-out", "system-err", "properties")
 
 
 def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestReport:
@@ -84,7 +129,11 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
     rundir = project.work / "testrun"
     # tests/ and pyproject.toml (pytest markers) only: `vllm` must come from the wheel
     build.snapshot(tree, rundir, ("tests", "pyproject.toml"))
-    junit = project.work / "test-report.xml"
+    junit = junit_path(project)
+    deselected = project.pin.deselect
+    for test_id, why in deselected:
+        progress(f"deselected on vLLM {project.pin.release.version}: {test_id}: {why}")
+    junit.unlink(missing_ok=True)  # a report from an earlier run must not stand for this one
     progress(f"running {len(tests)} test file(s) on GPU: {gpu}")
     proc = subprocess.run(
         [
@@ -96,6 +145,7 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
             "-rs",
             "-q",
             f"--junitxml={junit}",
+            *(f"--deselect={test_id}" for test_id, _ in deselected),
             *tests,
             *(pytest_args or []),
         ],
@@ -107,7 +157,7 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
         raise HarnessError(f"no test of the series matched the pytest arguments {pytest_args}")
     if proc.returncode not in (0, 1) or not junit.exists():
         raise HarnessError(f"pytest could not run the series' tests (exit {proc.returncode})")
-    report = parse_junit(junit, tests, gpu)
+    report = dataclasses.replace(parse_junit(junit, tests, gpu), deselected=deselected)
     (project.work / "test-report.json").write_text(
         json.dumps(dataclasses.asdict(report), indent=2) + "\n"
     )

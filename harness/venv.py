@@ -61,6 +61,8 @@ def install_wheel(project: Project, wheel: str, wheel_sha256: str) -> Path:
                 "--reinstall-package",
                 "vllm",
                 wheel,
+                # the selected release's torch (each release's work area has its own venv)
+                f"torch=={project.pin.torch}",
                 *WHEEL_CONSTRAINTS,
             ],
             env={**uv_env(), "PIP_CONSTRAINT": ""},

@@ -26,6 +26,7 @@ def test_matrix_classifies_clean_rebase_and_upstream(project, commit):
     cells = matrix.classify(project, release)
     assert cells["0001-Core-Change-value.patch"]["outcome"] == "upstream"
     # Adjacent lines changed on both sides: git's 3-way merge conflicts.
+    assert cells["0002-Core-Change-layer.patch"].pop("seconds") >= 0
     assert cells["0002-Core-Change-layer.patch"] == {
         "outcome": "rebase",
         "files": ["vllm/layer.py"],
@@ -78,4 +79,5 @@ def test_matrix_three_way_when_context_moved(project, commit):
     old["vllm/layer.py"] = old["vllm/layer.py"].replace("line 27\n", "line 27 (older)\n")
     sha = make_sdist(project.cache / "dist" / "vllm-0.9.1.tar.gz", "0.9.1", old)
     cells = matrix.classify(project, Release("0.9.1", sha))
+    assert cells["0001-Core-Change-layer.patch"].pop("seconds") >= 0
     assert cells["0001-Core-Change-layer.patch"] == {"outcome": "3way", "files": ["vllm/layer.py"]}
