@@ -100,18 +100,21 @@ def expert_bytes(spec: Spec) -> int:
     return spec.layers * spec.experts * per_expert
 
 
+def part_bytes(part: Part) -> int:
+    """Bytes one layout entry takes in the checkpoint (an NVFP4 linear's four tensors)."""
+    n = math.prod(part.shape)
+    if part.kind in LINEAR_KINDS:
+        return n // 2 + n // checkpoint.GROUP_SIZE + 8  # weight, block scales, two scalars
+    return 2 * n
+
+
 def other_bytes(spec: Spec) -> int:
     """Bytes of every tensor but the routed experts (attention, norms, routers, embeddings)."""
-    total = 0
-    for part in checkpoint.layout(spec):
-        if part.kind in ("expert", "expert_out"):
-            continue
-        n = math.prod(part.shape)
-        if part.kind in LINEAR_KINDS:
-            total += n // 2 + n // checkpoint.GROUP_SIZE + 8  # weight, block scales, two scalars
-        else:
-            total += 2 * n
-    return total
+    return sum(
+        part_bytes(part)
+        for part in checkpoint.layout(spec)
+        if part.kind not in ("expert", "expert_out")
+    )
 
 
 # --- values ---------------------------------------------------------------------------------------
@@ -252,14 +255,12 @@ def routing_check(spec: Spec, router: str, tokens: int = 4096) -> dict[str, Any]
 
 def _shards(spec: Spec) -> list[list[Part]]:
     """Parts other than routers, cut into shards of about ``spec.shard_bytes``."""
-    h, inter = spec.hidden_size, spec.moe_intermediate_size
-    sizes = {"expert": inter * h * 9 // 16, "expert_out": inter * h * 9 // 16}
     shards: list[list[Part]] = [[]]
     size = 0
     for part in checkpoint.layout(spec):
         if part.kind == "router":
             continue
-        n = sizes.get(part.kind, math.prod(part.shape) * 2)
+        n = part_bytes(part)
         if shards[-1] and size + n > spec.shard_bytes:
             shards.append([])
             size = 0

@@ -344,7 +344,7 @@ class Runner:
             if speculative else None,
             "budget": {"fraction": self.profile.budget, **budget},
             "pool_counters": None,
-            "pool_counters_note": "the pool has no user-readable counters in this series yet",
+            "pool_counters_note": "this runner does not read the pool's counters yet",
         }  # fmt: skip
         started = time.monotonic()
         with server:
