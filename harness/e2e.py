@@ -66,6 +66,12 @@ FACTS = {
     "prefetch_layers": re.compile(r"\[PrefetchOffloader\] Initialized (\d+) modules"),
 }
 
+#: The pool's periodic counter line (one window since the previous line; series 0001).
+POOL_WINDOW = re.compile(
+    r"Expert pool: hit rate [\d.]+% \(lowest layer [\d.]+%\), (\d+) hits, (\d+) misses, "
+    r"(\d+) promotions, [\d.]+ GiB copied in the last ([\d.]+) s"
+)
+
 
 # --- profiles -------------------------------------------------------------------------------------
 
@@ -82,6 +88,8 @@ class Measure:
     spec_tokens: int = 3
     spec_concurrency: tuple[int, ...] = (1, 4)
     ttft_only_arms: tuple[str, ...] = ()
+    # VLLM_LOG_STATS_INTERVAL for every arm: the pool logs its counters this often.
+    stats_interval_s: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,8 +351,6 @@ class Runner:
             "speculative": {"method": "ngram", "tokens": self.profile.measure.spec_tokens}
             if speculative else None,
             "budget": {"fraction": self.profile.budget, **budget},
-            "pool_counters": None,
-            "pool_counters_note": "this runner does not read the pool's counters yet",
         }  # fmt: skip
         started = time.monotonic()
         with server:
@@ -388,6 +394,7 @@ class Runner:
         if sampler:
             sampler.start()
         progress("$ " + shlex.join(argv))
+        log_start = server.log.stat().st_size if server.log.exists() else 0
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code: int | str = proc.wait(timeout=self.profile.bench_timeout_s)
@@ -420,6 +427,16 @@ class Runner:
             },
             "bench": bench,
         }  # fmt: skip
+        if common["offload"] == "pool":
+            with server.log.open("rb") as log:
+                log.seek(log_start)
+                text = log.read().decode(errors="replace")
+            data["pool_counters"] = pool_counters(
+                text,
+                self.spec,
+                run.output_len * run.prompts,
+                steps=None if common["speculative"] else run.output_len,
+            )
         if before is not None:
             after = replay.scrape_spec_decode(server.url)
             if after is not None:
@@ -443,6 +460,37 @@ class Runner:
         path = results.write(self.out / f"{name}.json", kind, record, prov)
         self.written.append(path)
         progress(f"wrote {path}")
+
+
+def pool_counters(
+    log_text: str, spec: checkpoint.Spec, output_tokens: int, steps: int | None
+) -> dict[str, Any] | None:
+    """The pool's counters over one bench: the sum of the windows it logged meanwhile.
+
+    The pool logs a window once per ``VLLM_LOG_STATS_INTERVAL`` when a step runs, so
+    the last part of a bench (at most one interval) is counted in the next one's
+    first window. Hits and misses are distinct routed experts per layer and decode
+    step; each miss copies one expert, whose bytes are the checkpoint's bytes per
+    expert. ``steps`` is the decode steps of the bench when known (requests sent at
+    once without speculation decode in lockstep: their output length).
+    """
+    windows = [tuple(float(g) for g in m.groups()) for m in POOL_WINDOW.finditer(log_text)]
+    if not windows:
+        return None
+    hits, misses, promotions = (int(sum(w[i] for w in windows)) for i in range(3))
+    row = checkpoint_routed.expert_bytes(spec) / (spec.layers * spec.experts)
+    copied = misses * row
+    return {
+        "windows": len(windows),
+        "window_s": round(sum(w[3] for w in windows), 2),
+        "hits": hits,
+        "misses": misses,
+        "promotions": promotions,
+        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
+        "gib_copied": round(copied / 2**30, 3),
+        "mib_per_output_token": round(copied / 2**20 / output_tokens, 2) if output_tokens else None,
+        "mib_per_step": round(copied / 2**20 / steps, 2) if steps else None,
+    }
 
 
 def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str, Any]:
@@ -531,7 +579,10 @@ def summarize(folder: Path) -> dict[str, Any]:
             decode.append({**row, "concurrency": data["concurrency"], "spec_tokens": spec_tokens,
                            "output_len": data["output_len"], "tok_s": summary.get("decode_tok_s"),
                            "acceptance_rate": (data.get("spec_decode_since_start") or {}).get(
-                               "acceptance_rate")})  # fmt: skip
+                               "acceptance_rate"),
+                           "pool_hit_rate": (data.get("pool_counters") or {}).get("hit_rate"),
+                           "pool_mib_per_step": (data.get("pool_counters") or {}).get(
+                               "mib_per_step")})  # fmt: skip
         elif record["kind"] == "e2e-ttft":
             ttft.append(
                 {**row, "input_len": data["input_len"], "ttft_s": summary.get("ttft_s_mean")}
@@ -663,7 +714,10 @@ def main(
     ckpt = checkpoint_dir or out / "checkpoint"
     models = {router: str(ckpt / router) for router in routers}
     vllm = list(vllm_command) or [str(python.parent / "vllm")]
-    runner = Runner(profile, out, vllm, models, spec, arms, routers, speculative, dry_run=dry_run)
+    env = {"VLLM_LOG_STATS_INTERVAL": str(profile.measure.stats_interval_s)}
+    runner = Runner(
+        profile, out, vllm, models, spec, arms, routers, speculative, env=env, dry_run=dry_run
+    )
     gib = checkpoint_routed.expert_bytes(spec) / 2**30
     if dry_run:
         print(f"# {profile.description}")
@@ -674,6 +728,7 @@ def main(
             facts = offload_options(profile.arms[name], spec, profile.budget)
             facts.pop("fields")
             print(f"# {name}: {json.dumps(facts)}")
+        print(f"# every server: {shlex.join(f'{k}={v}' for k, v in env.items())}")
         print(f"# python -m harness checkpoint {ckpt} --preset {profile.preset}"
               f" --routers {','.join(routers)}")  # fmt: skip
         runner.run()

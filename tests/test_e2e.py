@@ -164,8 +164,30 @@ def test_summary_tells_an_arm_that_holds_the_budget_from_one_that_does_not(
     assert summary["decode"] == [{
         "arm": "pool", "router": "skewed", "outcome": "ok", "concurrency": 32,
         "spec_tokens": 0, "output_len": 256, "tok_s": 93.9, "acceptance_rate": None,
+        "pool_hit_rate": None, "pool_mib_per_step": None,
     }]  # fmt: skip
     assert summary["budget_gib"] == pytest.approx(0.25 * 35.44, abs=0.01)
+
+
+def test_pool_counters_sum_the_windows_a_bench_logged() -> None:
+    spec = checkpoint_routed.PRESETS["glm-shape"]
+    row = checkpoint_routed.expert_bytes(spec) / (spec.layers * spec.experts)
+    log = "\n".join([
+        "INFO 12-01 [stats.py:190] Expert pool: hit rate 90.0% (lowest layer 50.0%), 90 hits,"
+        " 10 misses, 8 promotions, 0.06 GiB copied in the last 0.5 s; lifetime hit rate 1.0%.",
+        "INFO 12-01 [loggers.py:1] Engine 000: Avg prompt throughput: 0.0 tokens/s",
+        "INFO 12-01 [stats.py:190] Expert pool: hit rate 75.0% (lowest layer 0.0%), 30 hits,"
+        " 10 misses, 10 promotions, 0.06 GiB copied in the last 0.4 s; lifetime hit rate 2.0%; "
+        "0.00 GiB staged for 0 prefill steps.",
+    ])  # fmt: skip
+    got = e2e.pool_counters(log, spec, output_tokens=256, steps=128)
+    assert got is not None
+    assert (got["windows"], got["hits"], got["misses"], got["promotions"]) == (2, 120, 20, 18)
+    assert got["hit_rate"] == round(120 / 140, 4) and got["window_s"] == 0.9
+    assert got["mib_per_step"] == round(20 * row / 2**20 / 128, 2)
+    assert got["mib_per_output_token"] == round(20 * row / 2**20 / 256, 2)
+    assert e2e.pool_counters(log, spec, 256, steps=None)["mib_per_step"] is None
+    assert e2e.pool_counters("no pool here", spec, 256, 128) is None
 
 
 def test_dry_run_prints_every_arm_and_the_checkpoint_command(
