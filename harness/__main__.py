@@ -312,6 +312,13 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     e.add_argument(
         "--no-spec", action="store_true", help="skip the ngram speculative-decoding servers"
     )
+    e.add_argument(
+        "--concurrency",
+        type=lambda v: [int(x) for x in _csv(v)],
+        default=[],
+        help="decode concurrencies, comma-separated (default: the profile's)",
+    )
+    e.add_argument("--no-ttft", action="store_true", help="skip the TTFT runs")
     c = add(
         "checkpoint",
         _cmd_checkpoint,
@@ -357,7 +364,8 @@ def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
     return e2e.main(
         profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
-        speculative=not args.no_spec, dry_run=args.dry_run, argv=sys.argv[1:],
+        speculative=not args.no_spec, concurrency=args.concurrency, ttft=not args.no_ttft,
+        dry_run=args.dry_run, argv=sys.argv[1:],
     )  # fmt: skip
 
 

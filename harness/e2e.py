@@ -90,6 +90,8 @@ class Measure:
     ttft_only_arms: tuple[str, ...] = ()
     # VLLM_LOG_STATS_INTERVAL for every arm: the pool logs its counters this often.
     stats_interval_s: float = 0.5
+    # Sampling temperature of the decode runs (0: greedy).
+    decode_temperature: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +329,7 @@ class Runner:
                 runs.append(("decode", replay.BenchRun(
                     m.decode_input_len, m.decode_output_len, c, next(seeds), raw,
                     f"decode-{tag}-c{c}.json", meta, run=1, concurrency=c,
+                    temperature=m.decode_temperature,
                 )))  # fmt: skip
         return runs
 
@@ -413,6 +416,7 @@ class Runner:
             "input_len": run.input_len,
             "output_len": run.output_len,
             "concurrency": run.concurrency,
+            "temperature": run.temperature,
             "bench_seed": run.seed,
             "outcome": "ok" if ok else f"failed ({code})",
             "summary": replay.summarize_bench(bench, run.output_len) if bench else None,
@@ -490,6 +494,11 @@ def pool_counters(
         "gib_copied": round(copied / 2**30, 3),
         "mib_per_output_token": round(copied / 2**20 / output_tokens, 2) if output_tokens else None,
         "mib_per_step": round(copied / 2**20 / steps, 2) if steps else None,
+        # Distinct routed experts per layer and step: top_k for one request, more as
+        # concurrent requests route apart (top_k x requests when none share one).
+        "experts_per_layer_step": round((hits + misses) / (spec.layers * steps), 2)
+        if steps
+        else None,
     }
 
 
@@ -577,7 +586,8 @@ def summarize(folder: Path) -> dict[str, Any]:
         row = {"arm": data["arm"], "router": data["router"], "outcome": data["outcome"]}
         if record["kind"] == "e2e-decode":
             decode.append({**row, "concurrency": data["concurrency"], "spec_tokens": spec_tokens,
-                           "output_len": data["output_len"], "tok_s": summary.get("decode_tok_s"),
+                           "output_len": data["output_len"], "temperature": data.get("temperature", 0.0),
+                           "tok_s": summary.get("decode_tok_s"),
                            "acceptance_rate": (data.get("spec_decode_since_start") or {}).get(
                                "acceptance_rate"),
                            "pool_hit_rate": (data.get("pool_counters") or {}).get("hit_rate"),
@@ -692,14 +702,25 @@ def main(
     experts: int | None = None,
     checkpoint_dir: Path | None = None,
     speculative: bool = True,
+    concurrency: Sequence[int] = (),
+    ttft: bool = True,
     dry_run: bool = False,
     argv: Sequence[str] = (),
 ) -> int:
-    """``python -m harness replay e2e``: see the module docstring."""
+    """``python -m harness replay e2e``: see the module docstring. ``concurrency``
+    replaces the profile's decode concurrencies and ``ttft=False`` drops its TTFT
+    runs, so that one profile's work can be split over several time-limited calls."""
     profiles = load_profiles()
     if profile_name not in profiles:
         raise HarnessError(f"unknown e2e profile {profile_name!r}; known: {', '.join(profiles)}")
     profile = profiles[profile_name]
+    if concurrency or not ttft:
+        measure = dataclasses.replace(
+            profile.measure,
+            decode_concurrency=tuple(concurrency) or profile.measure.decode_concurrency,
+            ttft_input_lens=profile.measure.ttft_input_lens if ttft else (),
+        )
+        profile = dataclasses.replace(profile, measure=measure)
     arms = list(arms) or list(profile.arms)
     routers = list(routers) or list(profile.routers)
     unknown = [a for a in arms if a not in profile.arms] + [

@@ -244,6 +244,7 @@ class BenchRun:
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
     run: int = 0  # 1.. for measured runs, 0 for a warm-up
     concurrency: int = 1  # --max-concurrency; the prompts are sent at once
+    temperature: float = 0.0  # 0: greedy
 
 
 def serve_argv(vllm: Sequence[str], options: ServerOptions, model: str, port: int) -> list[str]:
@@ -269,7 +270,7 @@ def bench_argv(vllm: Sequence[str], model: str, port: int, run: BenchRun) -> lis
         "--max-concurrency", str(run.concurrency),
         "--request-rate", "inf",
         "--ignore-eos",
-        "--temperature", "0",
+        "--temperature", f"{run.temperature:g}",
         "--num-warmups", "0",
         "--seed", str(run.seed),
         "--percentile-metrics", "ttft,tpot,itl,e2el",

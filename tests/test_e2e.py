@@ -163,7 +163,8 @@ def test_summary_tells_an_arm_that_holds_the_budget_from_one_that_does_not(
     assert holds == {"pool": True, "uva": False}
     assert summary["decode"] == [{
         "arm": "pool", "router": "skewed", "outcome": "ok", "concurrency": 32,
-        "spec_tokens": 0, "output_len": 256, "tok_s": 93.9, "acceptance_rate": None,
+        "spec_tokens": 0, "output_len": 256, "temperature": 0.0, "tok_s": 93.9,
+        "acceptance_rate": None,
         "pool_hit_rate": None, "pool_mib_per_step": None,
     }]  # fmt: skip
     assert summary["budget_gib"] == pytest.approx(0.25 * 35.44, abs=0.01)
@@ -186,6 +187,7 @@ def test_pool_counters_sum_the_windows_a_bench_logged() -> None:
     assert got["hit_rate"] == round(120 / 140, 4) and got["window_s"] == 0.9
     assert got["mib_per_step"] == round(20 * row / 2**20 / 128, 2)
     assert got["mib_per_output_token"] == round(20 * row / 2**20 / 256, 2)
+    assert got["experts_per_layer_step"] == round(140 / (spec.layers * 128), 2)
     assert e2e.pool_counters(log, spec, 256, steps=None)["mib_per_step"] is None
     assert e2e.pool_counters("no pool here", spec, 256, 128) is None
 
