@@ -319,6 +319,13 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         help="decode concurrencies, comma-separated (default: the profile's)",
     )
     e.add_argument("--no-ttft", action="store_true", help="skip the TTFT runs")
+    e.add_argument(
+        "--summarize",
+        type=_path,
+        metavar="DIR",
+        help="measure nothing: write DIR/summary.json and plots over every run folder in DIR "
+        "(e.g. results/e2e)",
+    )
     c = add(
         "checkpoint",
         _cmd_checkpoint,
@@ -357,6 +364,10 @@ def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
 
     from harness import e2e, replay
 
+    if args.summarize:
+        for path in e2e.write_summary(args.summarize):
+            print(path)
+        return 0
     profile = args.profile or "glm-shape-h200"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or project.results / "e2e" / f"{stamp}-{profile}"

@@ -621,6 +621,44 @@ def summarize(folder: Path) -> dict[str, Any]:
     }
 
 
+def summarize_runs(folders: Sequence[Path]) -> dict[str, Any]:
+    """One summary over several run folders (``results/e2e/summary.json``).
+
+    Every row gains ``run`` (the folder's name) and ``series_hash`` (the series it
+    measured): runs of different series or leases sit side by side but are never
+    merged. ``provenance`` is the newest run's; ``runs`` holds each run's.
+    """
+    out: dict[str, Any] = {"schema": results.SCHEMA, "kind": "e2e-summary"}
+    rows: dict[str, list[dict[str, Any]]] = {"decode": [], "ttft": [], "servers": []}
+    runs, missing, budgets = {}, [], set()
+    for folder in folders:
+        one = summarize(folder)
+        tag = {"run": folder.name, "series_hash": one["provenance"].get("series_hash")}
+        for key, items in rows.items():
+            items += [{**tag, **row} for row in one[key]]
+        missing += [f"{folder.name}/{name}" for name in one["not_measured"]]
+        runs[folder.name] = one["provenance"]
+        budgets.add((one["budget_fraction"], one["budget_gib"]))
+    if len(budgets) > 1:
+        raise HarnessError(f"runs with different budgets cannot share a summary: {budgets}")
+    fraction, gib = budgets.pop() if budgets else (None, None)
+    out.update(rows, not_measured=missing, budget_fraction=fraction, budget_gib=gib)
+    out.update(provenance=runs[folders[-1].name] if folders else {}, runs=runs)
+    return out
+
+
+def write_summary(root: Path) -> list[Path]:
+    """``root/summary.json`` and its plots over every run folder under ``root`` (a folder
+    with server records), oldest name first; returns the files written."""
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("server-*.json")))
+    if not folders:
+        raise HarnessError(f"no e2e run folders under {root}")
+    summary = summarize_runs(folders)
+    path = root / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return [path, *plot(summary, root)]
+
+
 def _panels(
     rows: Sequence[Mapping[str, Any]],
     png: Path,
@@ -643,14 +681,22 @@ def _panels(
     return png
 
 
+def _label(row: Mapping[str, Any]) -> str:
+    """The arm, with its run and decode sampling where a summary spans several runs."""
+    if "run" not in row:
+        return str(row["arm"])
+    sampled = ", sampled" if row.get("temperature") else ""
+    return f"{row['arm']} [{row['run']}{sampled}]"
+
+
 def _ttft_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
     lens = sorted({r["input_len"] for r in rows})
-    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    arms = list(dict.fromkeys(_label(r) for r in rows))
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
         xs, ys = [], []
         for j, n in enumerate(lens):
-            hit = [r["ttft_s"] for r in rows if r["arm"] == arm and r["input_len"] == n]
+            hit = [r["ttft_s"] for r in rows if _label(r) == arm and r["input_len"] == n]
             if hit:
                 xs.append(j + (i - (len(arms) - 1) / 2) * width)
                 ys.append(hit[0])
@@ -662,11 +708,11 @@ def _ttft_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
 
 
 def _decode_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
-    for arm, spec_tokens in dict.fromkeys((r["arm"], r["spec_tokens"]) for r in rows):
+    for arm, spec_tokens in dict.fromkeys((_label(r), r["spec_tokens"]) for r in rows):
         pts = sorted(
             (r["concurrency"], r["tok_s"])
             for r in rows
-            if r["arm"] == arm and r["spec_tokens"] == spec_tokens
+            if _label(r) == arm and r["spec_tokens"] == spec_tokens
         )
         label = arm + (f" + ngram {spec_tokens}" if spec_tokens else "")
         style = "--" if spec_tokens else "-"

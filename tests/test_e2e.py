@@ -215,9 +215,13 @@ def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
     written = e2e.plot(summary, tmp_path)
     assert [p.name for p in written] == ["ttft.png", "decode.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
-    # The committed summary is what summarize gives over the committed run.
-    again = e2e.summarize(root / "results/e2e/2026-12-01-glm-shape-h200-skewed")
+    # The committed summary is what summarize_runs gives over the committed runs, each
+    # row tagged with its run and series.
+    folders = sorted(p.parent for p in (root / "results/e2e").glob("*/server-*.json"))
+    again = e2e.summarize_runs(sorted(set(folders)))
     assert again["decode"] == summary["decode"] and again["servers"] == summary["servers"]
+    assert {r["run"] for r in summary["decode"]} == {f.name for f in folders}
+    assert all(r["series_hash"] for r in summary["decode"] + summary["ttft"])
 
 
 # --- the runner, against test_replay's fake `vllm` CLI ----------------------------------------
