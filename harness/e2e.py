@@ -585,14 +585,20 @@ def summarize(folder: Path) -> dict[str, Any]:
         summary = data.get("summary") or {}
         row = {"arm": data["arm"], "router": data["router"], "outcome": data["outcome"]}
         if record["kind"] == "e2e-decode":
-            decode.append({**row, "concurrency": data["concurrency"], "spec_tokens": spec_tokens,
-                           "output_len": data["output_len"], "temperature": data.get("temperature", 0.0),
-                           "tok_s": summary.get("decode_tok_s"),
-                           "acceptance_rate": (data.get("spec_decode_since_start") or {}).get(
-                               "acceptance_rate"),
-                           "pool_hit_rate": (data.get("pool_counters") or {}).get("hit_rate"),
-                           "pool_mib_per_step": (data.get("pool_counters") or {}).get(
-                               "mib_per_step")})  # fmt: skip
+            counters = data.get("pool_counters") or {}
+            decode.append({
+                **row,
+                "concurrency": data["concurrency"],
+                "spec_tokens": spec_tokens,
+                "output_len": data["output_len"],
+                "temperature": data.get("temperature", 0.0),
+                "tok_s": summary.get("decode_tok_s"),
+                "acceptance_rate": (data.get("spec_decode_since_start") or {}).get(
+                    "acceptance_rate"
+                ),
+                "pool_hit_rate": counters.get("hit_rate"),
+                "pool_mib_per_step": counters.get("mib_per_step"),
+            })  # fmt: skip
         elif record["kind"] == "e2e-ttft":
             ttft.append(
                 {**row, "input_len": data["input_len"], "ttft_s": summary.get("ttft_s_mean")}
