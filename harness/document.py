@@ -88,7 +88,7 @@ def _step_cell(step: dict[str, Any] | None, *, timed: bool = True) -> str:
         return "no tests"
     if result == "failed" and detail:
         text = f"{result}: {detail}"
-    elif detail and timed:  # a test cell: its counts (all skipped reads "0 passed")
+    elif detail:  # a test cell's counts (all skipped reads "0 passed"); a build alone
         text = f"{result} ({detail})"
     else:
         text = result
@@ -131,6 +131,9 @@ def render_matrix(project: Project) -> str:
                 if name in run
             )
             lines.append(f"- {version}: {steps}")
+            for patch, alone in run.get("alone", {}).items():
+                steps = "; ".join(f"{name} {_step_cell(alone[name])}" for name in alone)
+                lines.append(f"  - {patch[:4]} alone on the bare base: {steps}")
     return "\n".join(lines) + "\n"
 
 

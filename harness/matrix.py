@@ -14,7 +14,9 @@ the whole series applies then runs the normal pipeline in its own work area
 the python-only build (``--stock-kernels``) and the series' CPU tests. Each
 cell gains a ``build`` and a ``test`` entry: ``passed``, ``failed`` (with the
 first failing test, or the build's error), or ``not run`` with the reason
-(the patch did not apply, or the series stops earlier on that release). The
+(the patch did not apply, or the series stops earlier on that release). Where
+the series stops, a later commit that stands on the bare base and applies alone
+is built and tested alone on it instead. The
 build is one wheel per release, so its time is the release's; a cell's test
 time is the sum of its own test files' cases. The JSON lands in
 ``results/matrix.json`` and SERIES.md renders it.
@@ -112,30 +114,51 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     """Apply, build and test the series on ``version`` in its own work area; fill ``cells``.
 
     Returns the release's run: ``{"apply"|"build"|"test": {"result", "detail", "seconds"}}``.
-    Nothing runs unless every patch applied in :func:`classify`.
+    Where the series stops, nothing of it runs, but each later commit that stands on
+    the bare base (no prerequisite in its note) and applied alone in :func:`classify`
+    is applied, built and tested alone on the base: ``run["alone"][patch]``.
     """
     patches = series_files(project)
     stop = next((p for p in patches if cells[p.name]["outcome"] not in APPLIED), None)
-    run: dict[str, Any] = {}
-    if stop is not None:
-        reason = f"the series stops at {stop.name[:4]} on this release"
-        for patch in patches:
-            applied = cells[patch.name]["outcome"] in APPLIED
-            why = reason if applied else "the patch did not apply"
-            cells[patch.name] |= {"build": _not_run(why), "test": _not_run(why)}
-        return {"apply": _not_run(reason), "build": _not_run(reason), "test": _not_run(reason)}
+    if stop is None:
+        return _run_group(project, version, patches, cells, None)
+    reason = f"the series stops at {stop.name[:4]} on this release"
+    for patch in patches:
+        applied = cells[patch.name]["outcome"] in APPLIED
+        why = reason if applied else "the patch did not apply"
+        cells[patch.name] |= {"build": _not_run(why), "test": _not_run(why)}
+    run: dict[str, Any] = {name: _not_run(reason) for name in ("apply", "build", "test")}
+    notes = load_notes(project)
+    after = patches[patches.index(stop) + 1 :]
+    alone = [p for p in after if not notes[p.name].requires and cells[p.name]["outcome"] in APPLIED]
+    if alone:
+        run["alone"] = {p.name: _run_group(project, version, [p], cells, [p]) for p in alone}
+    return run
+
+
+def _run_group(
+    project: Project,
+    version: str,
+    patches: Sequence[Path],
+    cells: dict[str, dict[str, Any]],
+    only: Sequence[Path] | None,
+) -> dict[str, Any]:
+    """Apply ``patches`` (the whole series, or ``only`` alone on the base), build, test;
+    fill their cells and return the run's steps."""
     release = project.for_release(version)
     steps: list[tuple[str, Callable[[], object]]] = [
-        ("apply", lambda: series.apply(release)),
+        ("apply", lambda: series.apply(release, only)),
         ("build", lambda: build.build(release, stock_kernels=True)),
         ("test", lambda: test.run_tests(release)),
     ]
+    label = f"{version} ({only[0].name[:4]} alone)" if only else version
+    run: dict[str, Any] = {}
     report: test.TestReport | None = None
     for name, step in steps:
         if any(r["result"] != "passed" for r in run.values()):
             run[name] = _not_run(f"{list(run)[-1]} failed")
             continue
-        progress(f"{version}: {name}")
+        progress(f"{label}: {name}")
         started = time.monotonic()
         try:
             outcome = step()
@@ -159,6 +182,8 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     )
     for patch in patches:
         build_cell = {k: run["build"][k] for k in ("result", "detail")}
+        if only and build_cell["result"] == "passed":
+            build_cell["detail"] = "alone on the base"
         build_cell["seconds"] = run["build"]["seconds"]
         cells[patch.name] |= {"build": build_cell, "test": per_test[patch.name]}
     return run

@@ -284,10 +284,15 @@ def prepare(project: Project) -> tuple[Path, str]:
 
 
 def _apply_and_record(
-    project: Project, tree: Path, patches: list[Path], done: Sequence[str]
+    project: Project,
+    tree: Path,
+    patches: list[Path],
+    done: Sequence[str],
+    names: Sequence[str] | None = None,
 ) -> list[PatchResult]:
-    """Apply ``patches`` on HEAD (after ``done``, already applied) and record the outcome."""
-    names = [p.name for p in series_files(project)]
+    """Apply ``patches`` on HEAD (after ``done``, already applied) and record the outcome
+    as a tree of ``names`` (default: the whole series)."""
+    names = names or [p.name for p in series_files(project)]
     results = apply_series(tree, patches, project.pin.identity, abort=False)
     stopped = next((r.patch for r in results if r.outcome is Outcome.FAILED), None)
     base = project.pin.base_commit
@@ -296,14 +301,21 @@ def _apply_and_record(
     return results
 
 
-def apply(project: Project) -> list[PatchResult]:
-    """``python -m harness apply``: rebuild the ``series`` branch from the base and apply."""
+def apply(project: Project, only: Sequence[Path] | None = None) -> list[PatchResult]:
+    """``python -m harness apply``: rebuild the ``series`` branch from the base and apply.
+
+    ``only`` applies just those patches on the base (the revision matrix builds and
+    tests a commit that applies alone where the series stops earlier); the record
+    then names them, so a later full ``apply`` rebuilds the tree.
+    """
     tree, base = prepare(project)
     ensure_clean(tree)
     _ensure_on_series(tree, project.pin.release.tag)
     ensure_nothing_lost(project, tree, base)
     git(tree, "reset", "-q", "--hard", base)
-    results = _apply_and_record(project, tree, series_files(project), [])
+    patches = list(only) if only is not None else series_files(project)
+    names = [p.name for p in patches] if only is not None else None
+    results = _apply_and_record(project, tree, patches, [], names)
     _raise_for(results, stopped=True)
     return results
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from harness import build, document, matrix, results, series, test
-from harness.project import HarnessError, Project
+from harness import base, build, document, matrix, results, series, test
+from harness.project import HarnessError, Project, git
 from tests.conftest import FILES, make_sdist
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
@@ -89,6 +90,74 @@ def test_a_release_where_the_series_stops_runs_nothing_and_says_why(project, com
     assert cells["0002-Core-Change-layer.patch"]["build"]["detail"] == "the patch did not apply"
     # no work area was made for a release that runs nothing
     assert not (project.work / "releases" / "0.9.0" / "venv").exists()
+
+
+def test_a_standalone_commit_past_the_stop_is_built_and_tested_alone(
+    project, commit, monkeypatch
+) -> None:
+    # 0001 does not apply on 0.9.0; 0002 stands on the bare base and applies alone there.
+    _two_patches(project, commit)
+    old = dict(FILES)
+    old["vllm/__init__.py"] = "VALUE = 0\n"
+    sha = make_sdist(project.cache / "dist" / "vllm-0.9.0.tar.gz", "0.9.0", old)
+    pin = project.patches / "base.toml"
+    entry = (
+        f'\n[[matrix]]\nversion = "0.9.0"\nsdist_sha256 = "{sha}"\nupstream_commit = "0"\n'
+        'base_commit = "unknown"\nwheel = "vllm-0.9.0-none.whl"\nwheel_sha256 = "0"\n'
+        'torch = "2.13.0"\nflashinfer = "0"\n'
+    )
+    pin.write_text(pin.read_text() + entry)
+    release = project.for_release("0.9.0")
+    made = base.materialize(release, release.pin.release, release.tree, release.pin.identity)
+    pin.write_text(pin.read_text().replace('base_commit = "unknown"', f'base_commit = "{made}"'))
+    from harness.project import Release
+
+    built: list[list[str]] = []
+
+    def fake_build(release: Project, *, stock_kernels: bool) -> None:
+        built.append(git(release.tree, "log", "--format=%s", "-2").stdout.split("\n")[:2])
+
+    def fake_tests(release: Project) -> test.TestReport:
+        test.junit_path(release).write_text(
+            '<testsuites><testsuite><testcase classname="tests.test_layer" name="test_x" '
+            'time="0.25"/></testsuite></testsuites>'
+        )
+        return test.TestReport(("tests/test_layer.py",), 1, 0, 0, (), "none")
+
+    monkeypatch.setattr(build, "build", fake_build)
+    monkeypatch.setattr(test, "run_tests", fake_tests)
+    cells = matrix.classify(project, Release("0.9.0", sha))
+    assert cells["0001-Core-Change-value.patch"]["outcome"] not in matrix.APPLIED
+    assert cells["0002-Core-Change-layer.patch"]["outcome"] == "clean"
+    run = matrix.run_release(project, "0.9.0", cells)
+    assert run["build"]["detail"] == "the series stops at 0001 on this release"
+    alone = run["alone"]["0002-Core-Change-layer.patch"]
+    assert [alone[s]["result"] for s in ("apply", "build", "test")] == ["passed"] * 3
+    # the tree that was built holds 0002 alone on the release's base
+    assert built == [["[Core] Change layer", "vLLM 0.9.0 from its sdist"]]
+    layer = cells["0002-Core-Change-layer.patch"]
+    assert layer["build"] == {"result": "passed", "detail": "alone on the base", "seconds": 0.0}
+    assert layer["test"]["result"] == "passed"
+    assert cells["0001-Core-Change-value.patch"]["build"]["detail"] == "the patch did not apply"
+    record = {
+        "schema": 1,
+        "kind": "revision-matrix",
+        "provenance": {
+            "command": "nox -s matrix -- --test",
+            "date": "2026-12-01",
+            "series_hash": "x",
+        },
+        "data": {
+            "versions": ["0.9.0"],
+            "runs": {"0.9.0": run},
+            "rows": [{"patch": n, "cells": {"0.9.0": c}} for n, c in cells.items()],
+        },
+    }
+    (project.results / "matrix.json").parent.mkdir(parents=True, exist_ok=True)
+    (project.results / "matrix.json").write_text(json.dumps(record))
+    text = document.render_matrix(project)
+    assert "passed (alone on the base)" in text
+    assert "  - 0002 alone on the bare base: apply passed" in text
 
 
 def test_a_release_where_everything_applies_runs_in_its_own_work_area(
