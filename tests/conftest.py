@@ -43,6 +43,24 @@ def make_sdist(path: Path, version: str, files: dict[str, str]) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
+def pin_release(project: Project, version: str, files: dict[str, str]) -> Project:
+    """Pin ``version`` (an sdist of ``files``) as a ``[[matrix]]`` release beside the
+    fixture's base, with everything the pipeline needs; its base is made and pinned."""
+    sha = make_sdist(project.cache / "dist" / f"vllm-{version}.tar.gz", version, files)
+    pin_file = project.patches / "base.toml"
+    entry = (
+        f'\n[[matrix]]\nversion = "{version}"\nsdist_sha256 = "{sha}"\nupstream_commit = "0"\n'
+        f'base_commit = "unknown"\nwheel = "vllm-{version}-none.whl"\nwheel_sha256 = "0"\n'
+        'torch = "2.13.0"\nflashinfer = "0"\n'
+    )
+    pin_file.write_text(pin_file.read_text() + entry)
+    release = project.for_release(version)
+    made = base.materialize(release, release.pin.release, release.tree, release.pin.identity)
+    pinned = pin_file.read_text().replace('base_commit = "unknown"', f'base_commit = "{made}"')
+    pin_file.write_text(pinned)
+    return project.for_release(version)
+
+
 def write_pin(root: Path, version: str, sha: str, base_commit: str) -> None:
     (root / "patches").mkdir(parents=True, exist_ok=True)
     (root / "patches" / "base.toml").write_text(

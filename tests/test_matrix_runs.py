@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import base, build, document, matrix, results, series, test
+from harness import build, document, matrix, results, series, test
 from harness.project import HarnessError, Project, git
-from tests.conftest import FILES, make_sdist
+from tests.conftest import FILES, make_sdist, pin_release
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.test_layer" name="test_a" time="1.5" />
@@ -58,6 +58,15 @@ def test_each_cell_gets_its_own_tests_result_and_time(tmp_path: Path) -> None:
                                      "seconds": 0.0}  # fmt: skip
 
 
+def _one_passing_test(release: Project) -> test.TestReport:
+    """A stand-in for ``test.run_tests``: one passing case of tests/test_layer.py."""
+    test.junit_path(release).write_text(
+        '<testsuites><testsuite><testcase classname="tests.test_layer" name="test_x" '
+        'time="0.25"/></testsuite></testsuites>'
+    )
+    return test.TestReport(("tests/test_layer.py",), 1, 0, 0, (), "none")
+
+
 def _two_patches(project: Project, commit) -> None:
     commit("[Core] Change value", {"vllm/__init__.py": "VALUE = 2\n"})
     layer = (project.tree / "vllm/layer.py").read_text().replace("line 5\n", "line five\n")
@@ -99,34 +108,16 @@ def test_a_standalone_commit_past_the_stop_is_built_and_tested_alone(
     _two_patches(project, commit)
     old = dict(FILES)
     old["vllm/__init__.py"] = "VALUE = 0\n"
-    sha = make_sdist(project.cache / "dist" / "vllm-0.9.0.tar.gz", "0.9.0", old)
-    pin = project.patches / "base.toml"
-    entry = (
-        f'\n[[matrix]]\nversion = "0.9.0"\nsdist_sha256 = "{sha}"\nupstream_commit = "0"\n'
-        'base_commit = "unknown"\nwheel = "vllm-0.9.0-none.whl"\nwheel_sha256 = "0"\n'
-        'torch = "2.13.0"\nflashinfer = "0"\n'
-    )
-    pin.write_text(pin.read_text() + entry)
-    release = project.for_release("0.9.0")
-    made = base.materialize(release, release.pin.release, release.tree, release.pin.identity)
-    pin.write_text(pin.read_text().replace('base_commit = "unknown"', f'base_commit = "{made}"'))
-    from harness.project import Release
+    release = pin_release(project, "0.9.0", old)
 
     built: list[list[str]] = []
 
     def fake_build(release: Project, *, stock_kernels: bool) -> None:
         built.append(git(release.tree, "log", "--format=%s", "-2").stdout.split("\n")[:2])
 
-    def fake_tests(release: Project) -> test.TestReport:
-        test.junit_path(release).write_text(
-            '<testsuites><testsuite><testcase classname="tests.test_layer" name="test_x" '
-            'time="0.25"/></testsuite></testsuites>'
-        )
-        return test.TestReport(("tests/test_layer.py",), 1, 0, 0, (), "none")
-
     monkeypatch.setattr(build, "build", fake_build)
-    monkeypatch.setattr(test, "run_tests", fake_tests)
-    cells = matrix.classify(project, Release("0.9.0", sha))
+    monkeypatch.setattr(test, "run_tests", _one_passing_test)
+    cells = matrix.classify(project, release.pin.release)
     assert cells["0001-Core-Change-value.patch"]["outcome"] not in matrix.APPLIED
     assert cells["0002-Core-Change-layer.patch"]["outcome"] == "clean"
     run = matrix.run_release(project, "0.9.0", cells)
@@ -170,15 +161,8 @@ def test_a_release_where_everything_applies_runs_in_its_own_work_area(
         assert stock_kernels
         seen.append(release.work)
 
-    def fake_tests(release: Project) -> test.TestReport:
-        test.junit_path(release).write_text(
-            '<testsuites><testsuite><testcase classname="tests.test_layer" name="test_x" '
-            'time="0.25"/></testsuite></testsuites>'
-        )
-        return test.TestReport(("tests/test_layer.py",), 1, 0, 0, (), "none")
-
     monkeypatch.setattr(build, "build", fake_build)
-    monkeypatch.setattr(test, "run_tests", fake_tests)
+    monkeypatch.setattr(test, "run_tests", _one_passing_test)
     default_head = (project.tree / ".git" / "HEAD").read_text()
     cells = matrix.classify(project, project.pin.release)
     run = matrix.run_release(project, project.pin.release.version, cells)

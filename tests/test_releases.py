@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from harness import __main__ as cli
-from harness import base, build, series
+from harness import build, series
 from harness.project import RELEASE_ENV, RELEASE_KEYS, REPO, HarnessError, Pin, Project, git
-from tests.conftest import FILES, make_sdist
+from tests.conftest import FILES, pin_release
 
 REAL_PIN = REPO / "patches" / "base.toml"
 
@@ -70,19 +70,7 @@ def _second_release(project: Project) -> Project:
     """Pin release 0.9.0 (layer.py three lines longer at the top) beside the fixture's base."""
     old = dict(FILES)
     old["vllm/layer.py"] = "# older\n# header\n# lines\n" + FILES["vllm/layer.py"]
-    sha = make_sdist(project.cache / "dist" / "vllm-0.9.0.tar.gz", "0.9.0", old)
-    pin_file = project.patches / "base.toml"
-    entry = (
-        f'\n[[matrix]]\nversion = "0.9.0"\nsdist_sha256 = "{sha}"\nupstream_commit = "0"\n'
-        'base_commit = "unknown"\nwheel = "vllm-0.9.0-none.whl"\nwheel_sha256 = "0"\n'
-        'torch = "2.13.0"\nflashinfer = "0"\n'
-    )
-    pin_file.write_text(pin_file.read_text() + entry)
-    release = project.for_release("0.9.0")
-    made = base.materialize(release, release.pin.release, release.tree, release.pin.identity)
-    pinned = pin_file.read_text().replace('base_commit = "unknown"', f'base_commit = "{made}"')
-    pin_file.write_text(pinned)
-    return project.for_release("0.9.0")
+    return pin_release(project, "0.9.0", old)
 
 
 def test_apply_on_another_release_leaves_the_default_tree_alone(project, commit) -> None:
