@@ -124,6 +124,8 @@ def build(project: Project, *, full: bool = False, stock_kernels: bool = False) 
     progress(f"snapshot of series ({git(tree, 'rev-parse', '--short', 'HEAD').stdout.strip()})")
     snapshot(tree, src)
     digest = patches.series_hash(project)
+    if alone := series.applied_alone(project, tree, base):
+        digest += "." + ".".join(f"alone{name[:4]}" for name in alone)
     env = {
         **uv_env(),
         # A local version label ties the wheel to the series it was built from.

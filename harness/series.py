@@ -172,13 +172,27 @@ def _own_commits(record: Record | None, tree: Path, base: str) -> list[str]:
     return [c for c in commits if c not in known]
 
 
+def applied_alone(project: Project, tree: Path, base: str) -> tuple[str, ...] | None:
+    """The patches ``apply(only=...)`` put on the base, when the tree is still exactly that
+    (same series, no other commit); None for any other tree."""
+    record, names = load_record(tree), [p.name for p in series_files(project)]
+    if record is None or record.stopped or list(record.patches) == names:
+        return None
+    if _changed_since(record, series_hash(project)) or _own_commits(record, tree, base):
+        return None
+    if not set(record.patches) <= set(names) or len(record.commits) != len(record.patches):
+        return None
+    return record.patches
+
+
 def ensure_exported(project: Project, tree: Path, base: str) -> None:
-    """Refuse unless the commits on ``base`` reproduce (a prefix of) ``patches/``.
+    """Refuse unless the commits on ``base`` reproduce (a prefix of) ``patches/``, or
+    exactly the patches that ``apply(only=...)`` put there.
 
     The build uses this: a wheel labelled with the series hash must be built
     from that series. The message says which side moved, and the fix for it.
     """
-    if matches_patches(project, tree, base):
+    if matches_patches(project, tree, base) or applied_alone(project, tree, base):
         return
     record, current = load_record(tree), series_hash(project)
     own = _own_commits(record, tree, base)

@@ -130,6 +130,17 @@ def test_a_standalone_commit_past_the_stop_is_built_and_tested_alone(
     assert layer["build"] == {"result": "passed", "detail": "alone on the base", "seconds": 0.0}
     assert layer["test"]["result"] == "passed"
     assert cells["0001-Core-Change-value.patch"]["build"]["detail"] == "the patch did not apply"
+    # The build's export check takes a tree made by apply(only=...) while it is just that,
+    # and refuses it once it holds another commit.
+    tree, base_commit = release.tree, release.pin.base_commit
+    assert series.applied_alone(release, tree, base_commit) == ("0002-Core-Change-layer.patch",)
+    series.ensure_exported(release, tree, base_commit)
+    (tree / "extra.txt").write_text("x\n")
+    git(tree, "add", "extra.txt")
+    git(tree, "-c", "user.name=me", "-c", "user.email=me@x", "commit", "-qm", "mine")
+    assert series.applied_alone(release, tree, base_commit) is None
+    with pytest.raises(HarnessError, match="not in patches/"):
+        series.ensure_exported(release, tree, base_commit)
     record = {
         "schema": 1,
         "kind": "revision-matrix",
