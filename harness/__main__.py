@@ -105,12 +105,7 @@ def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
             for v, c in row["cells"].items()
         )
         print(f"{row['patch']}: {cells}")
-    failed = [
-        f"{version} {step}"
-        for version, run in data.get("runs", {}).items()
-        for step, outcome in run.items()
-        if outcome["result"] == "failed"
-    ]
+    failed = matrix.failures(data)
     if failed:
         print("matrix: failed: " + ", ".join(failed))
     return 1 if failed else 0

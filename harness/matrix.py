@@ -136,6 +136,17 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     return run
 
 
+def failures(data: dict[str, Any]) -> list[str]:
+    """The failed steps of a matrix run, e.g. ``0.32.0 test`` or ``0.31.0 0005 alone build``."""
+    out = []
+    for version, run in data.get("runs", {}).items():
+        groups = [("", run)] + [(f" {p[:4]} alone", r) for p, r in run.get("alone", {}).items()]
+        for label, steps in groups:
+            out += [f"{version}{label} {step}" for step in ("apply", "build", "test")
+                    if steps.get(step, {}).get("result") == "failed"]  # fmt: skip
+    return out
+
+
 def _run_group(
     project: Project,
     version: str,

@@ -157,6 +157,9 @@ def test_a_standalone_commit_past_the_stop_is_built_and_tested_alone(
     }
     (project.results / "matrix.json").parent.mkdir(parents=True, exist_ok=True)
     (project.results / "matrix.json").write_text(json.dumps(record))
+    assert matrix.failures(record["data"]) == []
+    run["alone"]["0002-Core-Change-layer.patch"]["test"]["result"] = "failed"
+    assert matrix.failures(record["data"]) == ["0.9.0 0002 alone test"]
     text = document.render_matrix(project)
     assert "passed (alone on the base)" in text
     assert "  - 0002 alone on the bare base: apply passed" in text
