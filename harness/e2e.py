@@ -11,7 +11,12 @@ measures, per arm and router:
 
 * TTFT of single requests at the seed's prompt lengths (12.5K and 81.6K tokens);
 * decode tok/s (``1000 / mean TPOT``) at each concurrency, ``concurrency``
-  requests sent at once, ``--ignore-eos`` with a fixed output length;
+  requests sent at once, ``--ignore-eos`` with a fixed output length, sampled
+  at the profile's ``decode_temperature`` (greedy decode of the synthetic
+  model repeats a few tokens, so concurrent requests would share experts);
+* for the pool arms, the pool's own counters over each run (hit rate,
+  promotions, bytes copied per step, distinct experts per layer and step:
+  :func:`pool_counters`, from the lines it logs every ``stats_interval_s``);
 * the same with ngram speculative decoding (a second server of the arm), whose
   acceptance comes from the server's ``/metrics`` counters.
 
