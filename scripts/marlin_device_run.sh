@@ -14,6 +14,7 @@
 #      query, sparse > 32 GiB banks on virtual memory, format without 64-bit
 #      kernels rejected).
 #
+# Its run of 2026-12-01 is results/marlin/b64-flag/h200/ (README beside it).
 # The bundle must carry the two libraries as namespaces marlin_base and
 # marlin_series, built with the default formats (see FORMATS). Everything lands
 # in $OUT/h19.tgz; the two results.json files also come back unpacked.
