@@ -93,11 +93,15 @@ GLM_SHAPE = Spec(
 PRESETS = {"glm-shape": GLM_SHAPE}
 
 
+def bytes_per_expert(spec: Spec) -> int:
+    """Bytes of one routed expert's weights and block scales (its three linears)."""
+    h, inter = spec.hidden_size, spec.moe_intermediate_size
+    return 3 * inter * h // 2 + 3 * inter * h // checkpoint.GROUP_SIZE
+
+
 def expert_bytes(spec: Spec) -> int:
     """Bytes of routed-expert weights and block scales in the checkpoint."""
-    h, inter = spec.hidden_size, spec.moe_intermediate_size
-    per_expert = 3 * inter * h // 2 + 3 * inter * h // checkpoint.GROUP_SIZE
-    return spec.layers * spec.experts * per_expert
+    return spec.layers * spec.experts * bytes_per_expert(spec)
 
 
 def part_bytes(part: Part) -> int:

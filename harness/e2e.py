@@ -487,8 +487,7 @@ def pool_counters(
     if not windows:
         return None
     hits, misses, promotions = (int(sum(w[i] for w in windows)) for i in range(3))
-    row = checkpoint_routed.expert_bytes(spec) / (spec.layers * spec.experts)
-    copied = misses * row
+    copied = misses * checkpoint_routed.bytes_per_expert(spec)
     return {
         "windows": len(windows),
         "window_s": round(sum(w[3] for w in windows), 2),
@@ -521,7 +520,7 @@ def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str
     if not loading:
         return {"expert_gib_on_gpu": None, "staging_gib": None, "holds_budget": None}
     on_gpu = loading[0] - checkpoint_routed.other_bytes(spec) / 2**30
-    row_gib = checkpoint_routed.expert_bytes(spec) / (spec.layers * spec.experts) / 2**30
+    row_gib = checkpoint_routed.bytes_per_expert(spec) / 2**30
     staging = 0.0
     if facts.get("pool_bank_gib") and facts.get("pool_rows_per_layer"):
         cache_rows = facts["pool_rows_per_layer"][0] * spec.layers

@@ -121,7 +121,7 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     patches = series_files(project)
     stop = next((p for p in patches if cells[p.name]["outcome"] not in APPLIED), None)
     if stop is None:
-        return _run_group(project, version, patches, cells, None)
+        return _run_group(project, version, cells)
     reason = f"the series stops at {stop.name[:4]} on this release"
     for patch in patches:
         applied = cells[patch.name]["outcome"] in APPLIED
@@ -132,7 +132,7 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     after = patches[patches.index(stop) + 1 :]
     alone = [p for p in after if not notes[p.name].requires and cells[p.name]["outcome"] in APPLIED]
     if alone:
-        run["alone"] = {p.name: _run_group(project, version, [p], cells, [p]) for p in alone}
+        run["alone"] = {p.name: _run_group(project, version, cells, [p]) for p in alone}
     return run
 
 
@@ -150,12 +150,12 @@ def failures(data: dict[str, Any]) -> list[str]:
 def _run_group(
     project: Project,
     version: str,
-    patches: Sequence[Path],
     cells: dict[str, dict[str, Any]],
-    only: Sequence[Path] | None,
+    only: Sequence[Path] | None = None,
 ) -> dict[str, Any]:
-    """Apply ``patches`` (the whole series, or ``only`` alone on the base), build, test;
-    fill their cells and return the run's steps."""
+    """Apply the whole series (or ``only`` those patches, alone on the base), build and
+    test; fill the applied patches' cells and return the run's steps."""
+    patches = list(only) if only else series_files(project)
     release = project.for_release(version)
     steps: list[tuple[str, Callable[[], object]]] = [
         ("apply", lambda: series.apply(release, only)),
