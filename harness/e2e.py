@@ -20,6 +20,11 @@ measures, per arm and router:
 * the same with ngram speculative decoding (a second server of the arm), whose
   acceptance comes from the server's ``/metrics`` counters.
 
+**The pool's counters** come twice, from the two places the series exposes
+them: the windows the pool logs (:func:`pool_counters`) and the
+``vllm:moe_expert_pool_*`` counters of ``/metrics``, scraped before and after
+each bench (:func:`pool_metrics`), so a run shows whether the two agree.
+
 **The budget** is a fraction of the routed-expert bytes. Each arm gets the flags
 that keep that fraction on the GPU (:func:`offload_options`): the pool's rows per
 layer, UVA's GiB (expert parameters only), the prefetch offloader's group layout
@@ -403,6 +408,8 @@ class Runner:
             sampler.start()
         progress("$ " + shlex.join(argv))
         log_start = server.log.stat().st_size if server.log.exists() else 0
+        pooled = common["offload"] == "pool" and kind != "warmup"
+        pool_before = replay.scrape_metrics(server.url, POOL_METRICS) if pooled else None
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code: int | str = proc.wait(timeout=self.profile.bench_timeout_s)
@@ -436,6 +443,10 @@ class Runner:
             },
             "bench": bench,
         }  # fmt: skip
+        if pool_before is not None:
+            data["pool_metrics"] = pool_metrics(
+                pool_before, replay.scrape_metrics(server.url, POOL_METRICS)
+            )
         if common["offload"] == "pool":
             with server.log.open("rb") as log:
                 log.seek(log_start)
@@ -503,6 +514,40 @@ def pool_counters(
         "experts_per_layer_step": round((hits + misses) / (spec.layers * steps), 2)
         if steps
         else None,
+    }
+
+
+POOL_METRICS = "vllm:moe_expert_pool_"
+
+
+def pool_metrics(
+    before: Mapping[str, float], after: Mapping[str, float] | None
+) -> dict[str, Any] | None:
+    """The pool's ``/metrics`` counters over one bench, summed over layers.
+
+    The same counters as :func:`pool_counters` reads from the log, exported by the
+    series as ``vllm:moe_expert_pool_{hits,misses,promotions,copied_bytes}_total``
+    per layer, plus the ``route_error`` gauge after the bench; scraped before and
+    after the bench, so nothing of the previous run leaks in (the worker attaches a
+    snapshot at most once per ``VLLM_LOG_STATS_INTERVAL``: the last interval of a
+    bench may be missing). ``None`` when the second scrape failed.
+    """
+    if after is None:
+        return None
+
+    def total(name: str, source: Mapping[str, float]) -> float:
+        return sum(v for k, v in source.items() if k.partition("{")[0] == POOL_METRICS + name)
+
+    delta = {
+        name: int(total(f"{name}_total", after) - total(f"{name}_total", before))
+        for name in ("hits", "misses", "promotions", "copied_bytes")
+    }
+    seen = delta["hits"] + delta["misses"]
+    return {
+        **delta,
+        "hit_rate": round(delta["hits"] / seen, 4) if seen else None,
+        "route_error": total("route_error", after),
+        "layers": len({k for k in after if k.startswith(POOL_METRICS + "hits_total")}),
     }
 
 

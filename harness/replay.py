@@ -550,23 +550,33 @@ class Server:
             return ""
 
 
-_SPEC = re.compile(r"^(vllm:spec_decode\w*_total)(\{[^}]*\})?\s+(\S+)$")
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
-def scrape_spec_decode(url: str) -> dict[str, float] | None:
-    """The ``vllm:spec_decode*_total`` counters of ``/metrics`` (labels kept), or ``None``."""
+def scrape_metrics(url: str, prefix: str) -> dict[str, float] | None:
+    """The ``/metrics`` samples whose name starts with ``prefix``, keyed by name and
+    labels (``model_name`` and ``engine`` dropped, equal keys summed), or ``None``."""
     status, body = http_get(url + "/metrics")
     if status != 200:
         return None
     counters: dict[str, float] = {}
     for line in body.splitlines():
-        match = _SPEC.match(line.strip())
-        if match:
-            labels = re.sub(r'(,?)(model_name|engine)="[^"]*"', "", match.group(2) or "")
-            key = match.group(1) + (labels if labels not in ("{}", "{,}") else "")
-            with contextlib.suppress(ValueError):
-                counters[key] = counters.get(key, 0.0) + float(match.group(3))
+        match = _SAMPLE.match(line.strip())
+        if not match or not match.group(1).startswith(prefix):
+            continue
+        labels = re.sub(r'(,?)(model_name|engine)="[^"]*"', "", match.group(2) or "")
+        key = match.group(1) + (labels if labels not in ("{}", "{,}") else "")
+        with contextlib.suppress(ValueError):
+            counters[key] = counters.get(key, 0.0) + float(match.group(3))
     return counters
+
+
+def scrape_spec_decode(url: str) -> dict[str, float] | None:
+    """The ``vllm:spec_decode*`` counters of ``/metrics`` (:func:`scrape_metrics`)."""
+    found = scrape_metrics(url, "vllm:spec_decode")
+    if found is None:
+        return None
+    return {k: v for k, v in found.items() if k.partition("{")[0].endswith("_total")}
 
 
 def spec_decode_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, Any]:

@@ -192,6 +192,40 @@ def test_pool_counters_sum_the_windows_a_bench_logged() -> None:
     assert e2e.pool_counters("no pool here", spec, 256, 128) is None
 
 
+def test_pool_metrics_is_the_scraped_delta_summed_over_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def page(hits: tuple[int, int], misses: int, error: int) -> str:
+        lines = [
+            "# HELP vllm:moe_expert_pool_hits Hits.",
+            "# TYPE vllm:moe_expert_pool_hits counter",
+        ]
+        for layer, n in enumerate(hits):
+            lines.append(f'vllm:moe_expert_pool_hits_total{{engine="0",layer="{layer}"}} {n}.0')
+            lines.append(f'vllm:moe_expert_pool_hits_created{{engine="0",layer="{layer}"}} 1.7e9')
+        lines += [
+            f'vllm:moe_expert_pool_misses_total{{engine="0",layer="0"}} {misses}.0',
+            'vllm:moe_expert_pool_promotions_total{engine="0",layer="0"} 2.0',
+            'vllm:moe_expert_pool_copied_bytes_total{engine="0",layer="0"} 4096.0',
+            f'vllm:moe_expert_pool_route_error{{engine="0"}} {error}.0',
+            'vllm:spec_decode_num_drafts_total{engine="0"} 7.0',
+        ]
+        return "\n".join(lines)
+
+    pages = iter([page((10, 5), 5, 0), page((40, 15), 15, 1)])
+    monkeypatch.setattr(e2e.replay, "http_get", lambda url: (200, next(pages)))
+    before = e2e.replay.scrape_metrics("http://x", e2e.POOL_METRICS)
+    after = e2e.replay.scrape_metrics("http://x", e2e.POOL_METRICS)
+    assert before is not None and not any("spec_decode" in k for k in before)
+    got = e2e.pool_metrics(before, after)
+    assert got is not None
+    assert (got["hits"], got["misses"], got["promotions"], got["copied_bytes"]) == (40, 10, 0, 0)
+    assert got["hit_rate"] == 0.8 and got["route_error"] == 1.0 and got["layers"] == 2
+    assert e2e.pool_metrics(before, None) is None
+    monkeypatch.setattr(e2e.replay, "http_get", lambda url: (503, ""))
+    assert e2e.replay.scrape_metrics("http://x", e2e.POOL_METRICS) is None
+
+
 def test_dry_run_prints_every_arm_and_the_checkpoint_command(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
