@@ -646,6 +646,9 @@ def summarize(folder: Path) -> dict[str, Any]:
                     "acceptance_rate"
                 ),
                 "pool_hit_rate": counters.get("hit_rate"),
+                # The same hit rate from the pool's /metrics counters (None before
+                # the runner scraped them, or when the scrape failed).
+                "pool_metrics_hit_rate": (data.get("pool_metrics") or {}).get("hit_rate"),
                 "pool_mib_per_step": counters.get("mib_per_step"),
             })  # fmt: skip
         elif record["kind"] == "e2e-ttft":

@@ -154,7 +154,8 @@ def test_summary_tells_an_arm_that_holds_the_budget_from_one_that_does_not(
         record = {"schema": 1, "kind": "e2e-server", "provenance": prov, "data": data}
         (tmp_path / f"{name}.json").write_text(json.dumps(record))
     decode = {**records["server-pool"], "concurrency": 32, "output_len": 256,
-              "outcome": "ok", "summary": {"decode_tok_s": 93.9}}  # fmt: skip
+              "outcome": "ok", "summary": {"decode_tok_s": 93.9},
+              "pool_metrics": {"hit_rate": 0.8}}  # fmt: skip
     (tmp_path / "decode.json").write_text(
         json.dumps({"schema": 1, "kind": "e2e-decode", "provenance": prov, "data": decode})
     )
@@ -165,7 +166,7 @@ def test_summary_tells_an_arm_that_holds_the_budget_from_one_that_does_not(
         "arm": "pool", "router": "skewed", "outcome": "ok", "concurrency": 32,
         "spec_tokens": 0, "output_len": 256, "temperature": 0.0, "tok_s": 93.9,
         "acceptance_rate": None,
-        "pool_hit_rate": None, "pool_mib_per_step": None,
+        "pool_hit_rate": None, "pool_metrics_hit_rate": 0.8, "pool_mib_per_step": None,
     }]  # fmt: skip
     assert summary["budget_gib"] == pytest.approx(0.25 * 35.44, abs=0.01)
 
