@@ -296,6 +296,9 @@ def _stamp(spec: Spec, routers: Iterable[str]) -> dict[str, Any]:
     return {"spec": dataclasses.asdict(spec), "routers": sorted(routers), "module": __name__}
 
 
+SHARED_INDEX = "index.json"  # in ``shared/``: the shared shards' weight map and bytes
+
+
 def write(
     out: Path,
     spec: Spec = GLM_SHAPE,
@@ -305,24 +308,61 @@ def write(
 ) -> dict[str, Path]:
     """Write the shared shards once and one model folder per router; return ``{router: folder}``.
 
-    A folder whose ``spec.json`` already records the same spec and routers is
-    kept as it is (one checkpoint per machine start, reused by every server).
+    A folder whose ``spec.json`` records the same spec keeps its shared shards:
+    routers it already has are kept as they are, and a router it lacks is added
+    beside them (one copy of the experts per machine start, whichever routers
+    each server asks for). Another spec rewrites everything.
     """
     spec.check()
     for router in routers:
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")
     folders = {router: out / router for router in routers}
-    stamp = _stamp(spec, routers)
-    if (out / STAMP).exists() and json.loads((out / STAMP).read_text()) == stamp:
+    stamp_path, shared = out / STAMP, out / "shared"
+    old = json.loads(stamp_path.read_text()) if stamp_path.exists() else None
+    same_spec = (
+        old is not None
+        and old == _stamp(spec, old.get("routers", ()))
+        and (shared / SHARED_INDEX).exists()
+    )
+    have = set(old["routers"]) if same_spec and old is not None else set()
+    missing = [router for router in routers if router not in have]
+    if not missing:
         echo(f"checkpoint in {out} is current ({STAMP}); not rewritten")
         return folders
-    (out / STAMP).unlink(missing_ok=True)
     started = time.monotonic()
+    dense = Dense.draw(spec)
+    if have:
+        index = json.loads((shared / SHARED_INDEX).read_text())
+        weight_map, shared_bytes = index["weight_map"], index["bytes"]
+        echo(f"checkpoint in {out}: shared shards current; adding routers {', '.join(missing)}")
+    else:
+        weight_map, shared_bytes = _write_shared(out, spec, dense, workers, echo, started)
+    for router in missing:
+        _write_router(folders[router], shared, spec, dense, router, weight_map, shared_bytes)
+    stamp_path.write_text(json.dumps(_stamp(spec, have | set(missing)), indent=2) + "\n")
+    gib = expert_bytes(spec) / 2**30
+    elapsed = time.monotonic() - started
+    added = ", ".join(missing)
+    echo(f"checkpoint: {gib:.2f} GiB of experts, routers {added} written, {elapsed:.0f} s")
+    return folders
+
+
+def _write_shared(
+    out: Path, spec: Spec, dense: Dense, workers: int, echo: Any, started: float
+) -> tuple[dict[str, str], int]:
+    """Replace every shard of ``out`` by this spec's shared shards; return their map and bytes.
+
+    The router folders hold hard links to the shared shards, so they are
+    emptied first: only then does unlinking a shard give its disk space back.
+    """
+    (out / STAMP).unlink(missing_ok=True)
     shared = out / "shared"
     shared.mkdir(parents=True, exist_ok=True)
-    for old in shared.glob("*.safetensors"):
-        old.unlink()
+    for folder in [shared, *(out / router for router in ROUTERS)]:
+        for stale in folder.glob("*.safetensors"):
+            stale.unlink()
+    (shared / SHARED_INDEX).unlink(missing_ok=True)
     need = expert_bytes(spec) + other_bytes(spec) + 2**30  # one GiB for routers and documents
     free = shutil.disk_usage(shared).free
     if free < need:
@@ -330,7 +370,6 @@ def write(
             f"the checkpoint needs {need / 2**30:.1f} GiB and {shared} has {free / 2**30:.1f} GiB "
             "free: write it elsewhere (--checkpoint DIR) or use fewer experts (--experts)"
         )
-    dense = Dense.draw(spec)
     dense_bytes = {
         "model.embed_tokens.weight": _bf16(dense.embed),
         "lm_head.weight": _bf16(dense.lm_head),
@@ -354,32 +393,40 @@ def write(
             done += 1
             elapsed = time.monotonic() - started
             echo(f"checkpoint: {done}/{len(shards)} shared shards ({elapsed:.0f} s)")
-    for router in routers:
-        folder = folders[router]
-        folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.glob("*.safetensors"):
-            old.unlink()
-        for file in sorted(set(weight_map.values())):
-            os.link(shared / file, folder / file)
-        weights = dense.router(router)
-        items = [
-            (f"model.layers.{layer}.mlp.gate.weight",
-             Tensor("BF16", (spec.experts, spec.hidden_size), _bf16(weights[layer])))
-            for layer in range(spec.layers)
-        ]  # fmt: skip
-        router_file = f"model-router-{router}.safetensors"
-        total = shared_bytes + checkpoint.write_safetensors(folder / router_file, items)
-        files = {**weight_map, **{name: router_file for name, _ in items}}
-        checkpoint.write_documents(folder, spec, files, total)
-        (folder / "routing.json").write_text(json.dumps({
-            "router": router,
-            "construction": __doc__.split("**Routing is stated, not accidental.**")[1].split(
-                "The two routers")[0].strip(),
-            "zipf_s": spec.zipf_s if router == "skewed" else None,
-            "log_popularity": dense.log_popularity(router).round(6).tolist(),
-        }) + "\n")  # fmt: skip
-    (out / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
-    gib = expert_bytes(spec) / 2**30
-    elapsed = time.monotonic() - started
-    echo(f"checkpoint: {gib:.2f} GiB of experts, routers {', '.join(routers)}, {elapsed:.0f} s")
-    return folders
+    index = {"weight_map": dict(sorted(weight_map.items())), "bytes": shared_bytes}
+    (shared / SHARED_INDEX).write_text(json.dumps(index) + "\n")
+    return weight_map, shared_bytes
+
+
+def _write_router(
+    folder: Path,
+    shared: Path,
+    spec: Spec,
+    dense: Dense,
+    router: str,
+    weight_map: dict[str, str],
+    shared_bytes: int,
+) -> None:
+    """One model folder: hard links to the shared shards, its router shard and documents."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.safetensors"):
+        stale.unlink()
+    for file in sorted(set(weight_map.values())):
+        os.link(shared / file, folder / file)
+    weights = dense.router(router)
+    items = [
+        (f"model.layers.{layer}.mlp.gate.weight",
+         Tensor("BF16", (spec.experts, spec.hidden_size), _bf16(weights[layer])))
+        for layer in range(spec.layers)
+    ]  # fmt: skip
+    router_file = f"model-router-{router}.safetensors"
+    total = shared_bytes + checkpoint.write_safetensors(folder / router_file, items)
+    files = {**weight_map, **{name: router_file for name, _ in items}}
+    checkpoint.write_documents(folder, spec, files, total)
+    (folder / "routing.json").write_text(json.dumps({
+        "router": router,
+        "construction": __doc__.split("**Routing is stated, not accidental.**")[1].split(
+            "The two routers")[0].strip(),
+        "zipf_s": spec.zipf_s if router == "skewed" else None,
+        "log_popularity": dense.log_popularity(router).round(6).tolist(),
+    }) + "\n")  # fmt: skip

@@ -16,6 +16,7 @@ from test_replay import fake  # noqa: F401 (the fake `vllm` CLI fixture)
 
 from harness import checkpoint, checkpoint_routed, e2e
 from harness.checkpoint import Spec
+from harness.checkpoint_routed import ROUTERS
 
 np = pytest.importorskip("numpy", reason="the routed checkpoint writer needs numpy")
 
@@ -54,6 +55,36 @@ def test_routed_checkpoint_is_reused_only_when_current(tmp_path: Path) -> None:
     other = dataclasses.replace(SMALL, seed=1)
     checkpoint_routed.write(tmp_path, other, ("skewed",), workers=1, echo=said.append)
     assert "not rewritten" not in said[-1] and shard.read_bytes() != before
+
+
+def test_a_router_is_added_beside_the_shared_shards_without_rewriting_them(
+    tmp_path: Path,
+) -> None:
+    # Session 7's first GPU call: the second server asked for the uniform router of a
+    # checkpoint written with skewed only, and the writer tried to rewrite 37 GiB.
+    said: list[str] = []
+    checkpoint_routed.write(tmp_path, SMALL, ("skewed",), workers=1, echo=said.append)
+    shards = sorted((tmp_path / "shared").glob("*.safetensors"))
+    inodes = [p.stat().st_ino for p in shards]
+    folders = checkpoint_routed.write(tmp_path, SMALL, ("uniform",), workers=1, echo=said.append)
+    assert any("shared shards current; adding routers uniform" in line for line in said)
+    assert [p.stat().st_ino for p in shards] == inodes
+    assert all(p.stat().st_nlink == 3 for p in shards)
+    fresh = checkpoint_routed.write(tmp_path / "fresh", SMALL, ("uniform",), workers=1, echo=print)
+    for file in sorted(p.name for p in fresh["uniform"].glob("*")):
+        assert (folders["uniform"] / file).read_bytes() == (fresh["uniform"] / file).read_bytes()
+    checkpoint_routed.write(tmp_path, SMALL, ROUTERS, workers=1, echo=said.append)
+    assert "not rewritten" in said[-1]
+
+
+def test_another_spec_unlinks_the_router_folders_before_counting_free_space(
+    tmp_path: Path,
+) -> None:
+    checkpoint_routed.write(tmp_path, SMALL, ROUTERS, workers=1, echo=print)
+    other = dataclasses.replace(SMALL, seed=1)
+    checkpoint_routed.write(tmp_path, other, ("skewed",), workers=1, echo=print)
+    assert not list((tmp_path / "uniform").glob("*.safetensors"))
+    assert all(p.stat().st_nlink == 2 for p in (tmp_path / "shared").glob("*.safetensors"))
 
 
 def test_a_checkpoint_that_does_not_fit_the_disk_is_refused_before_writing(
