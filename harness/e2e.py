@@ -731,6 +731,7 @@ def _panels(
     routers = sorted({r["router"] for r in rows})
     fig, axes = plt.subplots(1, len(routers), figsize=(6 * len(routers), 4), squeeze=False)
     for ax, router in zip(axes[0], routers, strict=True):
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # more runs than 10 colours
         draw(ax, router, [r for r in rows if r["router"] == router])
         ax.legend(fontsize=8)
     fig.tight_layout()
