@@ -112,6 +112,17 @@ def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
 
 
 def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
+    if args.wheel_group:
+        parts = bundle.build_wheel_parts(
+            project, args.wheel_group, out=args.out, part_bytes=args.part_mib * bundle.MiB
+        )
+        folder = args.out or project.root / ".bundle-wheels" / args.wheel_group
+        names = [p["name"] for p in parts["parts"]]
+        print(f"{folder}: {len(names)} parts of {parts['tar_bytes'] / bundle.MiB:.1f} MiB")
+        for name in names:
+            print(f"  carry {folder.relative_to(project.root) / name} in a call of its own")
+        print(f"  and {folder.relative_to(project.root) / 'parts.json'} with the last one")
+        return 0
     built = bundle.build_bundle(
         project,
         out=args.out,
@@ -236,6 +247,14 @@ def parser() -> argparse.ArgumentParser:
         "installs it, smoke-checks it and runs the tests (docs/device-bundle.md)",
     )
     bnd.add_argument("--out", type=_path, help="bundle folder (default: .bundle)")
+    bnd.add_argument(
+        "--wheel-group",
+        metavar="NAME",
+        help="instead of the bundle, split the wheels of this device-wheels.toml group "
+        "(e.g. flashinfer) into parts, one device call each (default out: "
+        ".bundle-wheels/NAME; on the host: device_run.py --wheel-parts FOLDER)",
+    )
+    bnd.add_argument("--part-mib", type=int, default=56, help="largest part, MiB (default: 56)")
     bnd.add_argument("--rev", default="series", help="tree revision to pack (default: series)")
     bnd.add_argument("--sm", type=int, default=90, help="target GPU architecture (default: 90)")
     bnd.add_argument(

@@ -76,14 +76,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from email.message import Message
 from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from harness import fatbin
 from harness.base import base_commit, fetch
+from harness.device_run import PARTS_MANIFEST, WHEELS_TAR
 from harness.patches import series_hash
 from harness.project import HarnessError, Project, git, progress, sha256_file
 from harness.touched import touched_files, touched_tests
 
 MiB = 1 << 20
+#: A part of a wheel group: a device call carries 64 MiB with the working tree.
+DEFAULT_PART_BYTES = 56 * MiB
 DEFAULT_MAX_BYTES = 60 * MiB
 DEFAULT_TARGET_SM = 90
 DEFAULT_PYTHON = "3.12"
@@ -181,6 +185,9 @@ class WheelPin:
     why: str = ""
     platform: str | None = None
     always: bool = False
+    #: Pins of a group never travel in the bundle: ``bundle --wheel-group NAME``
+    #: splits them into parts for several device calls (:func:`build_wheel_parts`).
+    group: str | None = None
 
     @property
     def requirement(self) -> str:
@@ -232,11 +239,15 @@ def read_wheel_list(path: Path) -> list[WheelPin]:
 def needed_wheels(pins: Sequence[WheelPin], target: Mapping[str, str | None]) -> list[WheelPin]:
     """The pins to carry: those the target lacks, has at another version, or marked ``always``.
 
+    Pins of a ``group`` are never carried here (see :func:`build_wheel_parts`).
+
     A target package whose version is unknown counts as present (the image's
     own is used); mark a pin ``always`` when the image's version may be too old.
     """
     needed = []
     for pin in pins:
+        if pin.group is not None:
+            continue
         have = target.get(normalize(pin.name), "missing")
         if pin.always or have == "missing" or (have is not None and have != pin.version):
             needed.append(pin)
@@ -825,3 +836,71 @@ def _pack_kernel(
         record["sha256"] = sha256_file(pruned)
         write_archive(staging / archive, {name: Member(pruned.read_bytes(), True)}, mtime)
     return record
+
+
+def build_wheel_parts(
+    project: Project,
+    group: str,
+    *,
+    out: Path | None = None,
+    wheel_list: Path = DEFAULT_WHEEL_LIST,
+    python_version: str = DEFAULT_PYTHON,
+    part_bytes: int = DEFAULT_PART_BYTES,
+) -> dict[str, Any]:
+    """Split the wheels of one ``device-wheels.toml`` group into parts for several calls.
+
+    Some packages do not fit one device call (FlashInfer and the CUTLASS DSL
+    it imports are about 170 MB). This writes ``out`` (default
+    ``<repo>/.bundle-wheels/<group>``, ignored by git): the group's wheels as
+    one uncompressed tar cut into ``part-NN`` files of at most ``part_bytes``,
+    and ``parts.json`` with the sha256 of every wheel, of the tar and of each
+    part. Each part travels in its own device call (copied into one folder on
+    a warm host); ``device_run.py --wheel-parts FOLDER`` joins and checks them
+    and installs the wheels beside the bundle's.
+
+    Returns:
+        The manifest written to ``parts.json``.
+    """
+    pins = [pin for pin in read_wheel_list(wheel_list) if pin.group == group]
+    if not pins:
+        groups = sorted({p.group for p in read_wheel_list(wheel_list) if p.group})
+        raise HarnessError(
+            f"{wheel_list} has no wheel group {group!r}; its groups: {', '.join(groups) or 'none'}"
+        )
+    if part_bytes < MiB:
+        raise HarnessError(f"a part of {part_bytes} bytes is too small: give at least 1 MiB")
+    out = out or project.root / ".bundle-wheels" / group
+    if out.exists() and any(out.iterdir()) and not (out / PARTS_MANIFEST).exists():
+        raise HarnessError(f"{out} holds files that are not wheel parts; choose another --out")
+    wheels = fetch_wheels(project, pins, python_version)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    tar_path = out / WHEELS_TAR
+    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for wheel in sorted(wheels, key=lambda w: w.name):
+            info = tar.gettarinfo(str(wheel), arcname=wheel.name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            info.mode = _ARCHIVE_MODE_FILE
+            with wheel.open("rb") as fh:
+                tar.addfile(info, fh)
+    parts = []
+    with tar_path.open("rb") as fh:
+        for number, block in enumerate(iter(lambda: fh.read(part_bytes), b""), 1):
+            part = out / f"part-{number:02d}"
+            part.write_bytes(block)
+            parts.append({"name": part.name, "bytes": len(block), "sha256": sha256_file(part)})
+    manifest: dict[str, Any] = {
+        "group": group,
+        "python": python_version,
+        "wheels": [
+            {"name": w.name, "bytes": w.stat().st_size, "sha256": sha256_file(w)}
+            for w in sorted(wheels, key=lambda w: w.name)
+        ],
+        "tar_bytes": tar_path.stat().st_size,
+        "tar_sha256": sha256_file(tar_path),
+        "parts": parts,
+    }
+    tar_path.unlink()
+    (out / PARTS_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest

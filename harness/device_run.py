@@ -151,8 +151,58 @@ def unpack(archive: Path, dest: Path) -> None:
         tar.extractall(dest, filter="data")
 
 
-def install(bundle: Path, prefix: Path, log: Callable[[str], object]) -> dict[str, Any]:
-    """Verify and install the bundle under ``prefix``; return the install record."""
+def join_wheel_parts(folder: Path, dest: Path) -> list[Path]:
+    """Join the parts of a wheel group that earlier calls left in ``folder``; return its wheels.
+
+    Every part ``parts.json`` lists must be there with its sha256, and so must
+    the joined tar and each wheel in it; the wheels are unpacked into ``dest``.
+
+    Raises:
+        BundleError: a part is missing or changed, or the joined bytes do not check.
+    """
+    try:
+        manifest = json.loads((folder / PARTS_MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{folder}: no readable {PARTS_MANIFEST} ({exc})") from exc
+    parts = manifest["parts"]
+    if missing := [p["name"] for p in parts if not (folder / p["name"]).is_file()]:
+        raise BundleError(
+            f"{folder}: {len(missing)} of {len(parts)} parts of wheel group "
+            f"{manifest['group']!r} are missing ({', '.join(missing)}): copy each carried "
+            "part into this folder, one device call each, while the host stays warm"
+        )
+    if bad := [p["name"] for p in parts if sha256(folder / p["name"]) != p["sha256"]]:
+        raise BundleError(f"{folder}: parts {', '.join(bad)} do not match {PARTS_MANIFEST}")
+    dest.mkdir(parents=True, exist_ok=True)
+    joined = dest / WHEELS_TAR
+    with joined.open("wb") as out:
+        for part in parts:
+            with (folder / part["name"]).open("rb") as fh:
+                shutil.copyfileobj(fh, out)
+    if sha256(joined) != manifest["tar_sha256"]:
+        raise BundleError(f"{folder}: the joined parts do not match {PARTS_MANIFEST}")
+    unpack(joined, dest)
+    joined.unlink()
+    wheels = []
+    for wheel in manifest["wheels"]:
+        path = dest / wheel["name"]
+        if not path.is_file() or sha256(path) != wheel["sha256"]:
+            raise BundleError(f"{folder}: wheel {wheel['name']} does not match {PARTS_MANIFEST}")
+        wheels.append(path)
+    return wheels
+
+
+def install(
+    bundle: Path,
+    prefix: Path,
+    log: Callable[[str], object],
+    wheel_parts: Sequence[Path] = (),
+) -> dict[str, Any]:
+    """Verify and install the bundle under ``prefix``; return the install record.
+
+    ``wheel_parts``: folders of wheel groups joined by :func:`join_wheel_parts`,
+    installed with the bundle's own wheels.
+    """
     start = time.time()
     provenance = json.loads((bundle / "provenance.json").read_text())
     verify_manifest(bundle)
@@ -163,6 +213,8 @@ def install(bundle: Path, prefix: Path, log: Callable[[str], object]) -> dict[st
         unpack(bundle / kernel["archive"], prefix / "py")
     unpack(bundle / contents["tests"]["archive"], prefix / "tests")
     wheels = sorted((bundle / "wheels").glob("*.whl"))
+    extra = [w for folder in wheel_parts for w in join_wheel_parts(folder, prefix / "parts")]
+    wheels += extra
     if wheels:
         cmd = [
             sys.executable,
@@ -190,17 +242,51 @@ def install(bundle: Path, prefix: Path, log: Callable[[str], object]) -> dict[st
     for folder in ("py", "site"):
         if (prefix / folder).is_dir():
             compileall.compile_dir(prefix / folder, quiet=2, workers=0)
-    return {"status": PASSED, "seconds": round(time.time() - start, 1), "wheels": len(wheels)}
+    return {
+        "status": PASSED,
+        "seconds": round(time.time() - start, 1),
+        "wheels": len(wheels),
+        "wheel_parts": [w.name for w in extra],
+    }
 
 
 #: Names the vLLM tree commit of the bundle in the environment of replays.
 BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
+#: The manifest and the joined tar of a wheel group split for several calls
+#: (``harness bundle --wheel-group``; see :func:`join_wheel_parts`).
+PARTS_MANIFEST = "parts.json"
+WHEELS_TAR = "wheels.tar"
+
+
+def pth_paths(site_dir: Path) -> list[str]:
+    """What the ``.pth`` files of ``site_dir`` add to ``sys.path``.
+
+    ``pip install --target`` leaves ``.pth`` files unprocessed, and a folder on
+    ``PYTHONPATH`` is not a site directory; the CUTLASS DSL's wheel relies on
+    its ``.pth`` to put its packages on the path. A child interpreter
+    processes them with :func:`site.addsitedir` and reports the additions.
+    """
+    if not any(site_dir.glob("*.pth")):
+        return []
+    code = (
+        "import json, site, sys; before = set(sys.path); site.addsitedir(sys.argv[1]); "
+        "print(json.dumps([p for p in sys.path if p not in before and p != sys.argv[1]]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(site_dir)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise BundleError(f"processing the .pth files of {site_dir} failed:\n{proc.stderr}")
+    return [str(p) for p in json.loads(proc.stdout)]
 
 
 def environment(prefix: Path, out: Path, provenance: dict[str, Any]) -> dict[str, str]:
     """The environment the smoke check, pytest and replays run in."""
     env = dict(os.environ)
-    paths = [str(prefix / "py"), str(prefix / "site")]
+    paths = [str(prefix / "py"), str(prefix / "site"), *pth_paths(prefix / "site")]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     extra = [
@@ -754,7 +840,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     with (out / "install.log").open("w") as log:
         try:
-            results["install"] = install(bundle, prefix, lambda text: log.write(text + "\n"))
+            results["install"] = install(
+                bundle,
+                prefix,
+                lambda text: log.write(text + "\n"),
+                [folder.resolve() for folder in args.wheel_parts],
+            )
         except (BundleError, OSError, tarfile.TarError) as exc:
             results["install"] = {"status": FAILED, "error": str(exc)}
             print(f"[device_run] install failed: {exc}", file=sys.stderr)
@@ -843,6 +934,16 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="PATH_OR_NODEID",
         help="run these tests instead of the bundle's selection (repeatable)",
+    )
+    parser.add_argument(
+        "--wheel-parts",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FOLDER",
+        help="a folder holding every part of a wheel group (`harness bundle --wheel-group`), "
+        "each copied there by an earlier call; joined, checked and installed with the "
+        "bundle's wheels (repeatable)",
     )
     parser.add_argument("-k", default=None, help="pytest -k expression")
     parser.add_argument(

@@ -801,3 +801,124 @@ def test_replays_share_the_time_limit(tmp_path: Path) -> None:
         "note": "not started: no time left",
     }
     assert not (tmp_path / "replay-3.log").exists()
+
+
+def _wheel_with_payload(folder: Path, name: str, size: int, seed: int) -> Path:
+    """A wheel holding ``size`` stored (uncompressed) pseudo-random bytes."""
+    path = tiny_wheel(folder, name)
+    with zipfile.ZipFile(path, "a", compression=zipfile.ZIP_STORED) as zf:
+        zf.writestr(f"{name}/blob.bin", hashlib.shake_256(bytes([seed])).digest(size))
+    return path
+
+
+GROUP_LIST = """
+[[wheel]]
+name = "plain"
+version = "1.0"
+
+[[wheel]]
+name = "big_a"
+version = "1.0"
+group = "fi"
+
+[[wheel]]
+name = "big_b"
+version = "1.0"
+group = "fi"
+"""
+
+
+def test_a_wheel_group_travels_in_parts_and_joins_byte_for_byte(
+    project: Project, tmp_path: Path
+) -> None:
+    cache = project.cache / "wheels" / "cp312-manylinux-x86_64"
+    wheels = [
+        _wheel_with_payload(cache, "big_a", 1_500_000, 1),
+        _wheel_with_payload(cache, "big_b", 700_000, 2),
+    ]
+    listing = tmp_path / "wheels.toml"
+    listing.write_text(GROUP_LIST)
+    pins = bundle.read_wheel_list(listing)
+    # A group's wheels never ride in the bundle itself.
+    assert [p.name for p in bundle.needed_wheels(pins, {})] == ["plain"]
+    out = tmp_path / "parts"
+    manifest = bundle.build_wheel_parts(
+        project, "fi", out=out, wheel_list=listing, part_bytes=bundle.MiB
+    )
+    parts = [p["name"] for p in manifest["parts"]]
+    assert parts == ["part-01", "part-02", "part-03"]
+    assert all((out / p).stat().st_size <= bundle.MiB for p in parts)
+    assert sorted(p.name for p in out.iterdir()) == ["part-01", "part-02", "part-03", "parts.json"]
+
+    # On the host: each call copies its part into one folder; the last joins them.
+    host = tmp_path / "host"
+    host.mkdir()
+    for name in ["parts.json", *parts]:
+        (host / name).write_bytes((out / name).read_bytes())
+    joined = device_run.join_wheel_parts(host, tmp_path / "prefix" / "parts")
+    assert [p.name for p in joined] == sorted(w.name for w in wheels)
+    for path in joined:
+        assert path.read_bytes() == (cache / path.name).read_bytes()
+
+    (host / "part-02").unlink()
+    with pytest.raises(device_run.BundleError, match=r"1 of 3 parts .* missing \(part-02\)"):
+        device_run.join_wheel_parts(host, tmp_path / "again")
+    changed = bytearray((out / "part-02").read_bytes())
+    changed[100] ^= 1
+    (host / "part-02").write_bytes(bytes(changed))
+    with pytest.raises(device_run.BundleError, match="part-02 do not match"):
+        device_run.join_wheel_parts(host, tmp_path / "again")
+    with pytest.raises(HarnessError, match="no wheel group 'nope'; its groups: fi"):
+        bundle.build_wheel_parts(project, "nope", out=out, wheel_list=listing)
+
+
+def test_pth_paths_reports_what_the_pth_files_of_a_target_folder_add(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    (site / "extra_dir").mkdir(parents=True)
+    assert device_run.pth_paths(site) == []
+    added = tmp_path / "added_by_import"
+    (site / "a.pth").write_text(f"extra_dir\nimport sys; sys.path.insert(0, {str(added)!r})\n")
+    assert sorted(device_run.pth_paths(site)) == sorted([str(added), str(site / "extra_dir")])
+
+
+def test_device_run_installs_a_joined_wheel_group_and_its_pth_paths(
+    ready: Project, tmp_path: Path
+) -> None:
+    # A wheel whose .pth puts a folder inside its package on sys.path, as the
+    # CUTLASS DSL's does; it travels as a group, in parts, not in the bundle.
+    cache = ready.cache / "wheels" / "cp312-manylinux-x86_64"
+    wheel = _wheel_with_payload(cache, "pthdep", 300_000, 3)
+    with zipfile.ZipFile(wheel, "a") as zf:
+        zf.writestr("pthdep/inner/hidden_mod.py", "HIDDEN = 1\n")
+        zf.writestr(
+            "pthdep_paths.pth",
+            "import os, sys, pthdep; "
+            "sys.path.insert(0, os.path.join(pthdep.__path__[0], 'inner'))\n",
+        )
+    listing = tmp_path / "groups.toml"
+    listing.write_text('[[wheel]]\nname = "pthdep"\nversion = "1.0"\ngroup = "g"\n')
+    parts = tmp_path / "parts"
+    bundle.build_wheel_parts(ready, "g", out=parts, wheel_list=listing, part_bytes=bundle.MiB)
+    out_bundle = build(ready, tmp_path).path
+    out = tmp_path / "results"
+    code = device_run.main(
+        [
+            "--bundle",
+            str(out_bundle),
+            "--prefix",
+            str(tmp_path / "prefix"),
+            "--out",
+            str(out),
+            "--skip-smoke",
+            "--skip-tests",
+            "--wheel-parts",
+            str(parts),
+            "--replay",
+            "-c 'import hidden_mod, tinydep; assert hidden_mod.HIDDEN == 1'",
+        ]
+    )
+    data = json.loads((out / "results.json").read_text())["data"]
+    assert data["install"]["wheel_parts"] == ["pthdep-1.0-py3-none-any.whl"]
+    assert data["install"]["wheels"] == 2
+    assert data["replays"][0]["status"] == "passed", data["replays"]
+    assert code == 0
