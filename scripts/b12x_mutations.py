@@ -26,7 +26,11 @@ from pathlib import Path
 
 MODULE = "vllm/model_executor/layers/fused_moe/experts/flashinfer_b12x_moe.py"
 UTILS = "vllm/model_executor/layers/fused_moe/utils.py"
-TESTS = ["tests/kernels/moe/test_flashinfer_b12x_workspace_sharing.py"]
+TESTS = [
+    "tests/kernels/moe/test_flashinfer_b12x_workspace_sharing.py",
+    # Builds FlashInfer's real wrapper on the CPU (needs flashinfer installed).
+    "tests/kernels/moe/test_flashinfer_b12x_wrapper_memory.py",
+]
 
 KEY_FIELDS = [
     ("num_experts", "int"),
@@ -104,6 +108,20 @@ def mutations() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
         ("L6", "apply() passes an input_global_scale to the shared wrapper", MODULE,
          [("            input_global_scale=None,\n",
            "            input_global_scale=self.a1_gscale,\n")]),
+        ("C7", "capacity ignores `elastic_ep_max_dp_size` (uses `dp_size`)", UTILS,
+         [("dp_size = moe_config.elastic_ep_max_dp_size or moe_config.dp_size",
+           "dp_size = moe_config.dp_size")]),
+        ("L7", "no guard against a folded input_global_scale", MODULE,
+         [('        assert getattr(self._wrapper, "_folded_w1_alpha", None) is None, (',
+           '        assert True or getattr(self._wrapper, "_folded_w1_alpha", None) is None, (')]),
+        ("L8", "registry keeps every owner alive", MODULE,
+         [("        owner_id = id(owner)\n",
+           "        owner_id = id(owner)\n        self.__dict__.setdefault('_keep', []).append(owner)\n")]),  # noqa: E501 (one mutation per entry)
+        ("L9", "module-level strong cache of every wrapper built", MODULE,
+         [("            wrapper = factory()\n",
+           "            wrapper = factory()\n            _KEEP.append(wrapper)\n"),
+          ("_B12X_WRAPPERS = _B12xWrapperRegistry()\n",
+           "_B12X_WRAPPERS = _B12xWrapperRegistry()\n_KEEP: list = []\n")]),
     ]
     return rows
 
