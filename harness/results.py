@@ -119,6 +119,11 @@ def validate(path: Path) -> list[str]:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return [f"{path}: unreadable: {exc}"]
+    if not isinstance(record, dict):
+        return [
+            f"{path}: not a result record (a JSON object with schema, kind, "
+            "provenance and data; write it with harness.results.write)"
+        ]
     problems = []
     if record.get("schema") != SCHEMA:
         problems.append(f"{path}: schema is {record.get('schema')!r}, expected {SCHEMA}")

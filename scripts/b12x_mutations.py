@@ -283,7 +283,13 @@ def main() -> int:
         print(f"| {mid} | {what} | `{caught}` |", flush=True)
     shutil.rmtree(overlay)
     if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+        from harness import results
+
+        data = {"tests": TESTS, "in_process": args.in_process, "rows": rows}
+        prov = results.provenance(
+            [Path(sys.executable).name, *sys.argv], tree=str(tree), device="cpu"
+        )
+        results.write(Path(args.out), "b12x-mutations", data, prov)
     survived = [r for r in rows if r["caught_by"] == "survived" and r["id"] != "B0"]
     baseline = [r for r in rows if r["id"] == "B0"]
     return 1 if survived or any(r["caught_by"] != "survived" for r in baseline) else 0

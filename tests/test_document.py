@@ -51,6 +51,12 @@ def test_result_files_carry_provenance(project, tmp_path):
     assert results.validate(path) == [f"{path}: provenance lacks gpu"]
     with pytest.raises(HarnessError, match="lacks"):
         results.write(tmp_path / "s.json", "demo", {}, {"command": "x"})
+    # A bare list is refused with a message, not a crash of `harness check`.
+    path.write_text("[1, 2]")
+    assert results.validate(path) == [
+        f"{path}: not a result record (a JSON object with schema, kind, provenance "
+        "and data; write it with harness.results.write)"
+    ]
 
 
 def test_provenance_names_the_code_under_test(tmp_path, monkeypatch):
