@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness import build, bundle, checks, document, kernels, lint, matrix, patches, series, test
+from harness import (
+    build,
+    bundle,
+    checks,
+    device_run,
+    document,
+    kernels,
+    lint,
+    matrix,
+    patches,
+    series,
+    test,
+)
 from harness.project import RELEASE_ENV, HarnessError, Identity, Project
 
 
@@ -113,15 +126,14 @@ def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
 
 def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
     if args.wheel_group:
-        parts = bundle.build_wheel_parts(
+        folder, parts = bundle.build_wheel_parts(
             project, args.wheel_group, out=args.out, part_bytes=args.part_mib * bundle.MiB
         )
-        folder = args.out or project.root / ".bundle-wheels" / args.wheel_group
-        names = [p["name"] for p in parts["parts"]]
-        print(f"{folder}: {len(names)} parts of {parts['tar_bytes'] / bundle.MiB:.1f} MiB")
-        for name in names:
-            print(f"  carry {folder.relative_to(project.root) / name} in a call of its own")
-        print(f"  and {folder.relative_to(project.root) / 'parts.json'} with the last one")
+        shown = os.path.relpath(folder, project.root)
+        print(f"{folder}: {len(parts['parts'])} parts of {parts['tar_bytes'] / bundle.MiB:.1f} MiB")
+        for part in parts["parts"]:
+            print(f"  carry {shown}/{part['name']} in a call of its own")
+        print(f"  and {shown}/{device_run.PARTS_MANIFEST} with the last one")
         return 0
     built = bundle.build_bundle(
         project,
@@ -254,7 +266,12 @@ def parser() -> argparse.ArgumentParser:
         "(e.g. flashinfer) into parts, one device call each (default out: "
         ".bundle-wheels/NAME; on the host: device_run.py --wheel-parts FOLDER)",
     )
-    bnd.add_argument("--part-mib", type=int, default=56, help="largest part, MiB (default: 56)")
+    bnd.add_argument(
+        "--part-mib",
+        type=int,
+        default=bundle.DEFAULT_PART_BYTES // bundle.MiB,
+        help=f"largest part, MiB (default: {bundle.DEFAULT_PART_BYTES // bundle.MiB})",
+    )
     bnd.add_argument("--rev", default="series", help="tree revision to pack (default: series)")
     bnd.add_argument("--sm", type=int, default=90, help="target GPU architecture (default: 90)")
     bnd.add_argument(

@@ -86,8 +86,9 @@ from harness.project import HarnessError, Project, git, progress, sha256_file
 from harness.touched import touched_files, touched_tests
 
 MiB = 1 << 20
-#: A part of a wheel group: a device call carries 64 MiB with the working tree.
-DEFAULT_PART_BYTES = 56 * MiB
+#: A part of a wheel group: a device call carries 64 MiB, the working tree (about
+#: 10 MiB) included.
+DEFAULT_PART_BYTES = 54 * MiB
 DEFAULT_MAX_BYTES = 60 * MiB
 DEFAULT_TARGET_SM = 90
 DEFAULT_PYTHON = "3.12"
@@ -846,7 +847,7 @@ def build_wheel_parts(
     wheel_list: Path = DEFAULT_WHEEL_LIST,
     python_version: str = DEFAULT_PYTHON,
     part_bytes: int = DEFAULT_PART_BYTES,
-) -> dict[str, Any]:
+) -> tuple[Path, dict[str, Any]]:
     """Split the wheels of one ``device-wheels.toml`` group into parts for several calls.
 
     Some packages do not fit one device call (FlashInfer and the CUTLASS DSL
@@ -859,7 +860,7 @@ def build_wheel_parts(
     and installs the wheels beside the bundle's.
 
     Returns:
-        The manifest written to ``parts.json``.
+        The folder and the manifest written to its ``parts.json``.
     """
     pins = [pin for pin in read_wheel_list(wheel_list) if pin.group == group]
     if not pins:
@@ -903,4 +904,4 @@ def build_wheel_parts(
     }
     tar_path.unlink()
     (out / PARTS_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return out, manifest

@@ -842,9 +842,10 @@ def test_a_wheel_group_travels_in_parts_and_joins_byte_for_byte(
     # A group's wheels never ride in the bundle itself.
     assert [p.name for p in bundle.needed_wheels(pins, {})] == ["plain"]
     out = tmp_path / "parts"
-    manifest = bundle.build_wheel_parts(
+    folder, manifest = bundle.build_wheel_parts(
         project, "fi", out=out, wheel_list=listing, part_bytes=bundle.MiB
     )
+    assert folder == out
     parts = [p["name"] for p in manifest["parts"]]
     assert parts == ["part-01", "part-02", "part-03"]
     assert all((out / p).stat().st_size <= bundle.MiB for p in parts)
