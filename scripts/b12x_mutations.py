@@ -286,8 +286,12 @@ def main() -> int:
         from harness import results
 
         data = {"tests": TESTS, "in_process": args.in_process, "rows": rows}
+        tests_torch = subprocess.run(
+            [str(python), "-c", "import torch; print(torch.__version__)"],
+            capture_output=True, text=True, check=False).stdout.strip()
         prov = results.provenance(
-            [Path(sys.executable).name, *sys.argv], tree=str(tree), device="cpu"
+            [Path(sys.executable).name, *sys.argv], tree=str(tree), device="cpu",
+            tests_python=str(python), tests_torch=tests_torch or "unknown",
         )
         results.write(Path(args.out), "b12x-mutations", data, prov)
     survived = [r for r in rows if r["caught_by"] == "survived" and r["id"] != "B0"]
