@@ -344,6 +344,12 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "--no-spec", action="store_true", help="skip the ngram speculative-decoding servers"
     )
     e.add_argument(
+        "--spec-only",
+        action="store_true",
+        help="start only the ngram speculative-decoding servers (their decode runs at the "
+        "profile's spec concurrencies), not the arms' plain servers",
+    )
+    e.add_argument(
         "--concurrency",
         type=lambda v: [int(x) for x in _csv(v)],
         default=[],
@@ -406,8 +412,8 @@ def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
     return e2e.main(
         profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
-        speculative=not args.no_spec, concurrency=args.concurrency, ttft=not args.no_ttft,
-        dry_run=args.dry_run, argv=sys.argv[1:],
+        speculative=not args.no_spec, plain=not args.spec_only, concurrency=args.concurrency,
+        ttft=not args.no_ttft, dry_run=args.dry_run, argv=sys.argv[1:],
     )  # fmt: skip
 
 

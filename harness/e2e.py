@@ -18,7 +18,8 @@ measures, per arm and router:
   promotions, bytes copied per step, distinct experts per layer and step:
   :func:`pool_counters`, from the lines it logs every ``stats_interval_s``);
 * the same with ngram speculative decoding (a second server of the arm), whose
-  acceptance comes from the server's ``/metrics`` counters.
+  acceptance comes from the server's ``/metrics`` counters, scraped before and
+  after each bench (:func:`acceptance_rate`).
 
 **The pool's counters** come twice, from the two places the series exposes
 them: the windows the pool logs (:func:`pool_counters`) and the
@@ -272,6 +273,7 @@ class Runner:
     arms: Sequence[str]
     routers: Sequence[str]
     speculative: bool = True
+    plain: bool = True  # False: only the speculative-decoding servers
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     dry_run: bool = False
     nvml: Any | None = None
@@ -288,7 +290,8 @@ class Runner:
         for router in self.routers:
             for name in self.arms:
                 arm = self.profile.arms[name]
-                out.append((router, arm, False))
+                if self.plain:
+                    out.append((router, arm, False))
                 if self.speculative and name not in self.profile.measure.ttft_only_arms:
                     out.append((router, arm, True))
         return out
@@ -385,13 +388,12 @@ class Runner:
             if state != "ok":
                 progress(f"{tag}: server did not start ({state}); next arm")
                 return
-            before = replay.scrape_spec_decode(server.url) if speculative else None
             for kind, run in runs:
                 done = self.out / run.result_file
                 if kind != "warmup" and done.exists():
                     progress(f"{done.name} exists; not measured again")
                     continue
-                self._bench(kind, run, router, server, common, before)
+                self._bench(kind, run, router, server, common)
 
     def _bench(
         self,
@@ -400,7 +402,6 @@ class Runner:
         router: str,
         server: replay.Server,
         common: Mapping[str, Any],
-        before: Mapping[str, float] | None,
     ) -> None:
         argv = replay.bench_argv(self.vllm, self.models[router], server.port, run)
         sampler = replay.NvmlSampler(self.nvml, self.sample_interval_s) if self.nvml else None
@@ -410,6 +411,11 @@ class Runner:
         log_start = server.log.stat().st_size if server.log.exists() else 0
         pooled = common["offload"] == "pool" and kind != "warmup"
         pool_before = replay.scrape_metrics(server.url, POOL_METRICS) if pooled else None
+        spec_before = (
+            replay.scrape_spec_decode(server.url)
+            if common["speculative"] and kind != "warmup"
+            else None
+        )
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code: int | str = proc.wait(timeout=self.profile.bench_timeout_s)
@@ -457,10 +463,10 @@ class Runner:
                 run.output_len * run.prompts,
                 steps=None if common["speculative"] else run.output_len,
             )
-        if before is not None:
+        if spec_before is not None:
             after = replay.scrape_spec_decode(server.url)
             if after is not None:
-                data["spec_decode_since_start"] = replay.spec_decode_delta(before, after)
+                data["spec_decode"] = replay.spec_decode_delta(spec_before, after)
         name = run.result_file.removesuffix(".json")
         self._record(name, f"e2e-{kind}", data, server.argv, argv)
 
@@ -600,6 +606,22 @@ def _records(folder: Path) -> list[dict[str, Any]]:
     return out
 
 
+def acceptance_rate(data: Mapping[str, Any]) -> float | None:
+    """The ngram acceptance rate of one decode run, over that run alone.
+
+    From the ``/metrics`` counters scraped just before and after the bench
+    (``spec_decode``). Result files written before the runner scraped per bench
+    hold only counters since the server started (``spec_decode_since_start``,
+    which include the warm-up's greedy tokens and earlier benches); for those,
+    ``vllm bench serve``'s own figure, which covers the bench alone, is used.
+    """
+    if "spec_decode" in data:
+        rate: float | None = data["spec_decode"].get("acceptance_rate")
+        return rate
+    pct = (data.get("summary") or {}).get("spec_decode_acceptance_rate_pct")
+    return None if pct is None else pct / 100
+
+
 def summarize(folder: Path) -> dict[str, Any]:
     """``summary.json``: decode and TTFT rows, the servers' outcomes, and the provenance.
 
@@ -642,9 +664,7 @@ def summarize(folder: Path) -> dict[str, Any]:
                 "output_len": data["output_len"],
                 "temperature": data.get("temperature", 0.0),
                 "tok_s": summary.get("decode_tok_s"),
-                "acceptance_rate": (data.get("spec_decode_since_start") or {}).get(
-                    "acceptance_rate"
-                ),
+                "acceptance_rate": acceptance_rate(data),
                 "pool_hit_rate": counters.get("hit_rate"),
                 # The same hit rate from the pool's /metrics counters (None before
                 # the runner scraped them, or when the scrape failed).
@@ -807,14 +827,18 @@ def main(
     experts: int | None = None,
     checkpoint_dir: Path | None = None,
     speculative: bool = True,
+    plain: bool = True,
     concurrency: Sequence[int] = (),
     ttft: bool = True,
     dry_run: bool = False,
     argv: Sequence[str] = (),
 ) -> int:
     """``python -m harness replay e2e``: see the module docstring. ``concurrency``
-    replaces the profile's decode concurrencies and ``ttft=False`` drops its TTFT
-    runs, so that one profile's work can be split over several time-limited calls."""
+    replaces the profile's decode concurrencies, ``ttft=False`` drops its TTFT runs
+    and ``plain=False`` starts only the speculative-decoding servers, so that one
+    profile's work can be split over several time-limited calls."""
+    if not plain and not speculative:
+        raise HarnessError("--spec-only and --no-spec leave no server to start; drop one")
     profiles = load_profiles()
     if profile_name not in profiles:
         raise HarnessError(f"unknown e2e profile {profile_name!r}; known: {', '.join(profiles)}")
@@ -842,8 +866,9 @@ def main(
     vllm = list(vllm_command) or [str(python.parent / "vllm")]
     env = {"VLLM_LOG_STATS_INTERVAL": str(profile.measure.stats_interval_s)}
     runner = Runner(
-        profile, out, vllm, models, spec, arms, routers, speculative, env=env, dry_run=dry_run
-    )
+        profile, out, vllm, models, spec, arms, routers, speculative, plain,
+        env=env, dry_run=dry_run,
+    )  # fmt: skip
     gib = checkpoint_routed.expert_bytes(spec) / 2**30
     if dry_run:
         print(f"# {profile.description}")

@@ -269,6 +269,34 @@ def test_dry_run_prints_every_arm_and_the_checkpoint_command(
     assert "--cpu-offload-gb" in out and "--offload-backend prefetch" in out
 
 
+def test_spec_only_starts_only_the_speculative_servers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert e2e.main(
+        "glm-shape-h200", tmp_path, python=Path("py"), arms=["resident", "pool"],
+        routers=["skewed"], plain=False, ttft=False, dry_run=True,
+    ) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    serves = [line for line in lines if line.startswith("vllm serve ")]
+    assert len(serves) == 2 and all("--speculative-config" in line for line in serves)
+    with pytest.raises(e2e.HarnessError, match="--spec-only and --no-spec"):
+        e2e.main("glm-shape-h200", tmp_path, python=Path("py"), speculative=False, plain=False)
+
+
+def test_acceptance_rate_covers_the_bench_alone() -> None:
+    # Counters since the server started include the warm-up's greedy tokens.
+    old = {"spec_decode_since_start": {"acceptance_rate": 0.0102},
+           "summary": {"spec_decode_acceptance_rate_pct": 0.0}}  # fmt: skip
+    assert e2e.acceptance_rate(old) == 0.0
+    assert e2e.acceptance_rate({"spec_decode": {"acceptance_rate": 0.25}, **old}) == 0.25
+    assert e2e.acceptance_rate({"summary": {"spec_decode_acceptance_rate_pct": None}}) is None
+    before = {"vllm:spec_decode_num_drafts_total": 10.0,
+              "vllm:spec_decode_num_draft_tokens_total": 30.0,
+              "vllm:spec_decode_num_accepted_tokens_total": 9.0}  # fmt: skip
+    after = {k: v * 2 for k, v in before.items()}
+    assert e2e.replay.spec_decode_delta(before, after)["acceptance_rate"] == 0.3
+
+
 def test_unknown_arms_are_refused_with_the_known_ones() -> None:
     with pytest.raises(e2e.HarnessError, match="arms: resident, pool"):
         e2e.main("glm-shape-h200", Path("/nonexistent"), python=Path("py"), arms=["nope"])
