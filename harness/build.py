@@ -56,14 +56,12 @@ class BuildInfo:
         return cls(**data)
 
 
-def compiled_changes(tree: Path, base: str) -> list[str]:
-    """Files under :data:`COMPILED_PATHS` that the series changes."""
-    names = git(tree, "diff", "--name-only", f"{base}..HEAD").stdout.split()
-    return [
-        n
-        for n in names
-        if any(n.startswith(p) if p.endswith("/") else n == p for p in COMPILED_PATHS)
-    ]
+def compiled_changes(
+    tree: Path, base: str, revision: str = "HEAD", paths: tuple[str, ...] = COMPILED_PATHS
+) -> list[str]:
+    """Files under ``paths`` (folders end in ``/``) that ``base..revision`` changes."""
+    names = git(tree, "diff", "--name-only", f"{base}..{revision}").stdout.split()
+    return [n for n in names if any(n.startswith(p) if p.endswith("/") else n == p for p in paths)]
 
 
 def build_requirements(tree: Path) -> list[str]:

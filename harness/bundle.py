@@ -80,6 +80,7 @@ from typing import Any
 
 from harness import fatbin
 from harness.base import base_commit, fetch
+from harness.build import compiled_changes
 from harness.device_run import PARTS_MANIFEST, WHEELS_TAR
 from harness.patches import series_hash
 from harness.project import HarnessError, Project, git, progress, sha256_file
@@ -623,6 +624,7 @@ def build_bundle(
     tests: Sequence[str] = (),
     series_tests: bool = True,
     extra_kernels: Sequence[ExtraKernel] = (),
+    stock_kernels: bool = False,
     target_packages: Path = DEFAULT_TARGET_PACKAGES,
     wheel_list: Path = DEFAULT_WHEEL_LIST,
     python_version: str = DEFAULT_PYTHON,
@@ -642,6 +644,9 @@ def build_bundle(
         series_tests: Carry the test files ``base..revision`` adds or changes.
         extra_kernels: Kernel libraries built by the series, with their
             ``torch.ops`` namespaces.
+        stock_kernels: Build a bundle without any extra kernel library although
+            the series changes compiled sources (its kernel tests then fail on
+            the release's kernels).
         target_packages: The target's installed packages (``NAME[==VERSION]``).
         wheel_list: The pinned dependencies (``device-wheels.toml``).
         python_version: The target's Python (``X.Y``) for the wheel downloads.
@@ -661,6 +666,16 @@ def build_bundle(
         raise HarnessError(f"{tree} is not materialized; run `python -m harness apply` first")
     commit = git(tree, "rev-parse", "--verify", f"{revision}^{{commit}}").stdout.strip()
     base = base_commit(tree, pin.release)
+    changed = compiled_changes(tree, base, commit, paths=("csrc/",))
+    if changed and not extra_kernels and not stock_kernels:
+        raise HarnessError(
+            f"{revision} changes compiled sources, and the bundle would carry only the "
+            "release's kernels:\n  " + "\n  ".join(changed) + "\nBuild the series' "
+            "kernels (`python -m harness kernels --rev series --namespace marlin_series "
+            "--arch 9.0`), carry them with `--kernel .work/kernels/libmarlin_series.so:"
+            "marlin_series` and set VLLM_TEST_MARLIN_MOE_LIB on the host "
+            "(docs/device-bundle.md), or pass --stock-kernels to bundle without them."
+        )
     mtime = int(git(tree, "log", "-1", "--format=%ct", commit).stdout.strip())
     wheel_path = fetch(project, pin.wheel, pin.wheel_sha256)
 

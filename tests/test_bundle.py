@@ -541,6 +541,20 @@ def test_build_carries_extra_kernels_with_their_namespace(ready: Project, tmp_pa
         bundle.ExtraKernel.parse("just-a-path.so")
 
 
+def test_a_series_that_changes_kernels_needs_them_or_stock_kernels(
+    ready: Project, commit: CommitFn, tmp_path: Path
+) -> None:
+    commit("[Kernel] Change a kernel", {"csrc/moe/marlin.cu": "// changed\n"})
+    refused = r"(?s)csrc/moe/marlin\.cu\n.*--kernel .*--stock-kernels"
+    with pytest.raises(HarnessError, match=refused):
+        build(ready, tmp_path)
+    assert not (tmp_path / "out" / ".bundle").exists()
+    assert build(ready, tmp_path, stock_kernels=True).path.is_dir()
+    extra = tmp_path / "libmarlin_series.so"
+    extra.write_bytes(elf_library(fatbin_blob([SM90_CUBIN])))
+    build(ready, tmp_path, extra_kernels=[bundle.ExtraKernel.parse(f"{extra}:marlin_series")])
+
+
 # --------------------------------------------------------------------------- device side
 
 
