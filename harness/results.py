@@ -113,6 +113,14 @@ def write(path: Path, kind: str, data: dict[str, Any], prov: dict[str, Any]) -> 
     return path
 
 
+# Row keys of the summaries (harness.e2e.summarize, scripts/staging_replay.py),
+# which hold their rows at the top level instead of under ``data``.
+SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
+    "e2e-summary": ("decode", "ttft"),
+    "staging-summary": ("rows",),
+}
+
+
 def validate(path: Path) -> list[str]:
     """Problems with one result file (empty when it is well-formed)."""
     try:
@@ -129,8 +137,8 @@ def validate(path: Path) -> list[str]:
         problems.append(f"{path}: schema is {record.get('schema')!r}, expected {SCHEMA}")
     prov = record.get("provenance", {})
     problems += [f"{path}: provenance lacks {k}" for k in REQUIRED if k not in prov]
-    # A summary (harness.e2e.summarize) holds its rows at the top level.
-    rows = ("decode", "ttft") if record.get("kind") == "e2e-summary" else ("data",)
+    # A summary holds its rows at the top level.
+    rows = SUMMARY_ROWS.get(str(record.get("kind")), ("data",))
     problems += [f"{path}: no {key}" for key in rows if key not in record]
     return problems
 

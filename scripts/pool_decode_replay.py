@@ -274,7 +274,7 @@ def breakdown_case(
     plans: list[Any] = []
 
     def plan_all() -> None:
-        plans[:] = [layer.plan_step(static_ids[layer.index], weights) for layer in pool.layers]
+        plans[:] = [layer.plan_step(static_ids[layer.index]) for layer in pool.layers]
 
     def copy_all() -> None:
         for layer, plan in zip(pool.layers, plans, strict=True):

@@ -203,12 +203,12 @@ def part_all_resident(
     plans: list[Any] = []
 
     def plan_copy(pool: Any = pool) -> None:
-        plans[:] = [layer.plan_step(ids[layer.index], weights) for layer in pool.layers]
+        plans[:] = [layer.plan_step(ids[layer.index]) for layer in pool.layers]
         for layer, plan in zip(pool.layers, plans, strict=True):
             layer.copy_misses(plan)
 
     def plan_only(pool: Any = pool) -> None:
-        plans[:] = [layer.plan_step(ids[layer.index], weights) for layer in pool.layers]
+        plans[:] = [layer.plan_step(ids[layer.index]) for layer in pool.layers]
 
     for name, fn in (("plan_and_copy", plan_copy), ("plan", plan_only)):
         graph = base.capture_graph(fn)

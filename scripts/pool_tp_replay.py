@@ -101,6 +101,9 @@ class Rank:
         """Every pooled layer on ``x``, each output all-reduced over the ranks."""
         import torch.distributed as dist
 
+        stager = self.rp.pool.stager
+        if stager is not None:
+            stager.note_step(x.shape[0])  # as vLLM's worker does per forward pass
         outs = []
         for layer, (ids, w) in zip(self.layers, routes, strict=True):
             y = layer.apply(x, w, ids)

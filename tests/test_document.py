@@ -59,6 +59,18 @@ def test_result_files_carry_provenance(project, tmp_path):
     ]
 
 
+def test_summaries_hold_their_rows_at_the_top_level(tmp_path):
+    prov = {k: "x" for k in results.REQUIRED}
+    path = tmp_path / "summary.json"
+    record = {"schema": results.SCHEMA, "kind": "staging-summary", "provenance": prov}
+    path.write_text(json.dumps({**record, "rows": []}))
+    assert results.validate(path) == []
+    path.write_text(json.dumps({**record, "data": {}}))
+    assert results.validate(path) == [f"{path}: no rows"]
+    path.write_text(json.dumps({**record, "kind": "e2e-summary", "decode": []}))
+    assert results.validate(path) == [f"{path}: no ttft"]
+
+
 def test_provenance_names_the_code_under_test(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_SERIES_WORK", str(tmp_path / "work"))  # no built wheel here
     monkeypatch.delenv(device_run.BUNDLE_TREE_ENV, raising=False)
