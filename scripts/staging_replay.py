@@ -42,7 +42,7 @@ then measures, with the real Marlin kernel:
   goal uses: the seed decoded under FULL_DECODE_ONLY) and, for reference,
   eager.
 
-The replay calls ``stager.note_step(tokens)`` before every pool step it runs
+The replay calls ``stager.note_step()`` before every pool step it runs
 (the worker's hook: it refreshes the stager's copy of the residency table),
 except in the decode measurement's "off" steps, which stand for a server
 without staging.
@@ -863,7 +863,7 @@ class Replay:
 
     def step(self, x: Any, routes: Routes) -> list[Any]:
         """One forward step as the vLLM worker runs it: ``note_step``, then the layers."""
-        self.stager.note_step(x.shape[0])
+        self.stager.note_step()
         return self.pool_step(x, routes)
 
     def resident_step(self, x: Any, routes: Routes, resident: list[Any]) -> None:
@@ -1189,7 +1189,7 @@ class Replay:
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     if mode == "on":
-                        self.stager.note_step(tokens)
+                        self.stager.note_step()
                     self.pool_step(x, routes)
                     torch.cuda.synchronize()
                     eager[mode].append(time.perf_counter() - t0)
@@ -1200,7 +1200,7 @@ class Replay:
             for mode in order:
                 self.attach(mode == "on")
                 if mode == "on":
-                    self.stager.note_step(tokens)
+                    self.stager.note_step()
                 graphs[mode] = capture_graph(functools.partial(self.pool_step, x, static))
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -1217,7 +1217,7 @@ class Replay:
                             ids.copy_(new_ids)
                             w.copy_(new_w)
                         if note:
-                            self.stager.note_step(tokens)
+                            self.stager.note_step()
                         graphs[mode].replay()
                         step += 1
                     end.record()
@@ -1227,7 +1227,7 @@ class Replay:
             out[kind] = {"graphs": medians(replayed), "eager": medians(eager)}
         self.attach(True)
         # The "off" steps changed placement without the hook: tell the stager.
-        self.stager.note_step(tokens)
+        self.stager.note_step()
         # The goal: graph replays, both kinds of routes; the larger deviation counts.
         ratios = [out[kind]["graphs"]["on_over_off"] for kind in kinds]
         out["on_over_off"] = max(ratios, key=lambda r: abs(r - 1))

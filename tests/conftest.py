@@ -8,10 +8,13 @@ its hash pinned in a temporary ``patches/base.toml``.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
+import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -27,6 +30,24 @@ FILES = {
     "vllm/layer.py": "".join(f"line {i}\n" for i in range(40)),
     "tests/test_layer.py": "def test_value():\n    assert True\n",
 }
+
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str) -> ModuleType:
+    """Import ``scripts/<name>.py`` as a module, with ``scripts/`` on the path
+    while it runs (the scripts import their siblings)."""
+    path = SCRIPTS / f"{name}.py"
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return module
 
 
 def make_sdist(path: Path, version: str, files: dict[str, str]) -> str:

@@ -8,27 +8,15 @@ step ahead) reads the same as a correct one.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "planner_race_check.py"
+from tests.conftest import load_script
 
 
 def _script() -> ModuleType:
-    sys.path.insert(0, str(SCRIPT.parent))  # it imports its sibling pool_decode_replay
-    try:
-        spec = importlib.util.spec_from_file_location("planner_race_check", SCRIPT)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return module
+    return load_script("planner_race_check")
 
 
 def _tables(layers: int = 2, experts: int = 4, pool: int = 3, staging: int = 2) -> SimpleNamespace:

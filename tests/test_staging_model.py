@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,16 +10,14 @@ from types import ModuleType
 
 import pytest
 
+from tests.conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "staging_pipeline_model.py"
 
 
 def _model() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("staging_pipeline_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("staging_pipeline_model")
 
 
 def test_copy_bound_layers_take_the_sum_of_the_copies() -> None:
