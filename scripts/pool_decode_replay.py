@@ -408,7 +408,7 @@ def main() -> int:
 
     _need_pool()
     if args.breakdown:
-        from vllm.model_executor.layers.fused_moe.expert_pool.layer import PoolLayer
+        from vllm.model_executor.layers.fused_moe.expert_pool.pool_layer import PoolLayer
 
         if not hasattr(PoolLayer, "plan_step"):
             sys.exit("--breakdown needs the pool with PoolLayer.plan_step (fused planner)")

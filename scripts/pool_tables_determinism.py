@@ -71,7 +71,7 @@ def replan(
     rp: Any, layer: Any, before: dict[str, Any], ids: Any, w: Any, times: int
 ) -> dict[str, Any]:
     """The step's planner on copies of the pre-step tables: outcomes, and the reference."""
-    from vllm.model_executor.layers.fused_moe.expert_pool.kernels import (
+    from vllm.model_executor.layers.fused_moe.expert_pool.planner import (
         plan_decode_step_fused,
     )
     from vllm.model_executor.layers.fused_moe.expert_pool.tables import plan_decode_step

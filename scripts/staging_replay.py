@@ -908,14 +908,7 @@ class Replay:
         per_expert = sum(self.row_bytes.values())
         total = 0
         for layer, (ids, _) in zip(self.pool.layers, routes, strict=True):
-            if hasattr(layer, "block_size_for"):
-                bm = layer.block_size_for(tokens, TOP_K)
-            else:
-                from vllm.model_executor.layers.fused_moe.expert_pool.layer import (
-                    marlin_block_size,
-                )
-
-                bm = marlin_block_size(tokens, TOP_K, self.E, None)
+            bm = layer.block_size_for(tokens, TOP_K)
             counts = torch.bincount(ids.reshape(-1).long(), minlength=self.E)
             hot = self.pool.tables.hot_slice(layer.index)
             blocks = torch.where(hot < 0, (counts + bm - 1) // bm, torch.zeros_like(counts))
