@@ -81,6 +81,46 @@ def make_experts(num_experts: int, seed: int) -> dict[str, Any]:
     return {k: torch.stack(v).contiguous() for k, v in parts.items()}
 
 
+def marlin_kernel(num_experts: int) -> Any:
+    """The modular kernel a ModelOpt NVFP4 layer builds on the Marlin backend
+    (no-DP/EP prepare/finalize, ``MarlinExperts``): installing the pool swaps
+    its experts for the pool's, as for a loaded layer. Its scales are never
+    read: the pool passes its own tensors to Marlin."""
+    import torch
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+        nvfp4_w4a16_moe_quant_config,
+    )
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+        MoEPrepareAndFinalizeNoDPEPModular,
+    )
+
+    moe = FusedMoEConfig(
+        num_experts=num_experts,
+        experts_per_token=TOP_K,
+        hidden_dim=HIDDEN,
+        intermediate_size=INTER,
+        num_local_experts=num_experts,
+        num_logical_experts=num_experts,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        activation=MoEActivation.SILU,
+        in_dtype=torch.bfloat16,
+        device="cuda",
+        routing_method=RoutingMethodType.TopK,
+        max_num_tokens=512,
+    )
+    ones = torch.ones(num_experts)
+    quant = nvfp4_w4a16_moe_quant_config(
+        g1_alphas=ones, g2_alphas=ones, w1_scale=ones, w2_scale=ones
+    )
+    return mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), MarlinExperts(moe, quant))
+
+
 def pending_layer(
     index: int, experts: dict[str, Any], rows: int, num_experts: int = EXPERTS
 ) -> Any:
@@ -98,7 +138,6 @@ def pending_layer(
             pinned = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=True)
             pinned.copy_(value)
         layer.register_parameter(key, torch.nn.Parameter(pinned, requires_grad=False))
-    fused_experts = SimpleNamespace(activation=None, input_dtype=None, w1_bias=None, w2_bias=None)
     attrs = {
         "layer_name": f"layers.{index}.mlp.experts",
         "local_num_experts": num_experts,
@@ -108,7 +147,7 @@ def pending_layer(
         "expert_pool_layer": None,
         "activation": MoEActivation.SILU,
         "apply_router_weight_on_input": False,
-        "quant_method": SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=fused_experts)),
+        "quant_method": SimpleNamespace(moe_kernel=marlin_kernel(num_experts)),
     }
     for key, value in attrs.items():
         setattr(layer, key, value)

@@ -166,7 +166,7 @@ class Rank:
             rp.pool.tables.set_gate(True)
         else:
             rp.set_mode(mode, min_tokens=min(tokens, self.args.min_tokens))
-        calls = sum(layer.decode_calls for layer in self.layers)
+        counted = rp.decode_counts()
         staged_before = rp.stager.stats.layers_staged
         got = self.pool_step(x, routes)
         want = self.resident_step(x, routes, resident)
@@ -182,7 +182,7 @@ class Rank:
         return {
             "tokens": tokens,
             "mode": mode,
-            "decode_path": sum(layer.decode_calls for layer in self.layers) > calls,
+            "decode_path": bool((rp.decode_counts() > counted).any()),
             "layers": len(self.layers),
             "layers_staged": rp.stager.stats.layers_staged - staged_before,
             "allclose": close,

@@ -522,17 +522,28 @@ class _Stager:
         self.cross_step = True
         self.min_tokens: int | None = None
         self.stats = _Stats()
+        self.plan = SimpleNamespace(holdings=[None, None])
+        self.buffer_bytes = 0
 
     def note_step(self) -> None:
         self.world.log.append("note")
         self.stats.steps += 1
 
 
+class _Counts:
+    """Stands in for a tensor of per-layer counters: ``(a > b).all()``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __gt__(self, other: _Counts) -> Any:
+        return SimpleNamespace(all=lambda: self.n > other.n)
+
+
 class _Layer:
     def __init__(self, world: _World, index: int, count: int) -> None:
         self.world, self.index, self.count = world, index, count
         self.stager: _Stager | None = None
-        self.decode_calls = 1
 
     def apply(self, x: _Tensor, w: object, ids: object) -> None:
         self.world.log.append("layer")
@@ -551,8 +562,13 @@ def _fake_replay(
     rp.gen = None
     rp.stager = _Stager(world)
     rp.pool = SimpleNamespace(
-        layers=[_Layer(world, i, layers) for i in range(layers)], max_lanes=64
+        layers=[_Layer(world, i, layers) for i in range(layers)],
+        max_lanes=64,
+        tables=SimpleNamespace(set_gate=lambda open_: world.log.append(f"gate {open_}")),
     )
+    # The pool's open-gate decode counters: one more at every read.
+    reads = iter(range(1 << 20))
+    rp.decode_counts = lambda: _Counts(next(reads))
     routes = [(_Tensor(), _Tensor()) for _ in range(layers)]
     rp.decode_input = lambda: (_Tensor(8, 1.0), routes)
     rp.narrow_input = lambda: (_Tensor(16, 1.0), routes)
@@ -653,6 +669,8 @@ def test_decode_notes_before_every_on_step_and_never_before_an_off_step(
     assert len(eager) == 2 * 4 * 2
     assert sum(log[i - 1] == "note" for i in eager) == 2 * 4
     assert out["on_over_off"] == pytest.approx(1.0)
+    assert out["decode_path_checked"] is True
+    assert world.log[0] == "gate True"
     assert all(layer.stager is rp.stager for layer in rp.pool.layers)
 
 
@@ -669,7 +687,7 @@ def test_a_whole_run_on_stand_ins_writes_the_result_and_the_summary(
     rp.row_bytes = {"w13_weight": 7_077_896}
     rp.pinned_gib, rp.host_sets, rp.build_s = 6.75, [{}] * 8, 1.0
     rp.pool.geometry = SimpleNamespace(total_bytes=27 << 30)
-    rp.stager.num_buffers, rp.stager.buffer_bytes = 2, 900 << 20
+    rp.stager.buffer_bytes = 900 << 20
     rp.shuffle_residency = lambda rounds: {"nonresident_bytes_per_step": nonresident}
     rp.residency = lambda: {"nonresident_bytes_per_step": nonresident}
     rp.copy_bandwidth = lambda reps: {"gbps_median": 51.7}
