@@ -135,6 +135,12 @@ def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
             print(f"  carry {shown}/{part['name']} in a call of its own")
         print(f"  and {shown}/{device_run.PARTS_MANIFEST} with the last one")
         return 0
+    if args.carry_plan:
+        folder = args.out or project.root / ".bundle"
+        if not (folder / "provenance.json").is_file():
+            raise HarnessError(f"{folder} is not a device bundle: build it first")
+        print(bundle.plan_carry(project.root, folder).describe())
+        return 0
     built = bundle.build_bundle(
         project,
         out=args.out,
@@ -145,6 +151,7 @@ def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
         stock_kernels=args.stock_kernels,
     )
     print(f"{built.path} ({built.total_bytes / bundle.MiB:.1f} MiB)")
+    print(bundle.plan_carry(project.root, built.path).describe())
     return 0
 
 
@@ -284,6 +291,12 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="PATH:NAMESPACE",
         help="a kernel library from `harness kernels` to carry (repeatable)",
+    )
+    bnd.add_argument(
+        "--carry-plan",
+        action="store_true",
+        help="build nothing: say how the existing bundle and the working tree reach the "
+        "GPU host, in one device call or several in a row (each carries at most 64 MiB)",
     )
     bnd.add_argument(
         "--stock-kernels",

@@ -920,3 +920,156 @@ def build_wheel_parts(
     tar_path.unlink()
     (out / PARTS_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out, manifest
+
+
+# --- carrying a bundle to the GPU host ---------------------------------------------------------
+
+#: What one device call carries: the working tree that travels plus the paths in ``carry``.
+CALL_BYTES = 64 * MiB
+#: Most paths one call's ``carry`` may name.
+CALL_PATHS = 8
+#: Where bundle entries carried by earlier calls wait on the GPU host (kept while it is warm).
+STAGED_DIR = "/tmp/bundle-staged"
+
+
+@dataclasses.dataclass(frozen=True)
+class CarryPlan:
+    """How a bundle reaches the GPU host in device calls of at most :data:`CALL_BYTES`.
+
+    Each call also carries the working tree (``tree_bytes``). When the tree and
+    the bundle fit one call, ``staged`` is empty and ``final`` is the bundle
+    folder. Otherwise each entry of ``staged`` is an earlier call that copies
+    some bundle entries to :data:`STAGED_DIR`, and ``final`` names the entries
+    the last call carries itself; the calls must follow each other while the
+    host is still warm (it is handed back, ``/tmp`` with it, when idle).
+    """
+
+    bundle: str
+    tree_bytes: int
+    bundle_bytes: int
+    staged: tuple[tuple[str, ...], ...]
+    final: tuple[str, ...]
+
+    def stage_command(self, call: int) -> str:
+        """The command of earlier call ``call`` (0-based)."""
+        paths = " ".join(self.staged[call])
+        return f"mkdir -p {STAGED_DIR} && cp -r {paths} {STAGED_DIR}/"
+
+    @property
+    def final_prefix(self) -> str:
+        """What the last call's command begins with, before ``device_run.py``."""
+        if not self.staged:
+            return ""
+        return f"cp -r {STAGED_DIR}/. {self.bundle}/ && "
+
+    def describe(self) -> str:
+        """The plan as instructions, one line per call."""
+        total = self.tree_bytes + self.bundle_bytes
+        head = (
+            f"working tree {self.tree_bytes / MiB:.1f} MiB + bundle "
+            f"{self.bundle_bytes / MiB:.1f} MiB = {total / MiB:.1f} MiB"
+        )
+        if not self.staged:
+            return f"{head}: one call, carry [{self.bundle!r}]"
+        lines = [
+            f"{head}, over one call's {CALL_BYTES / MiB:.0f} MiB: {len(self.staged) + 1} "
+            "calls in a row on one warm machine"
+        ]
+        for i, paths in enumerate(self.staged):
+            carry = ", ".join(repr(p) for p in paths)
+            lines.append(f"  call {i + 1}: carry [{carry}]; command: {self.stage_command(i)}")
+        carry = ", ".join(repr(p) for p in self.final)
+        lines.append(
+            f"  call {len(self.staged) + 1}: carry [{carry}]; command: "
+            f"{self.final_prefix}python3 {self.bundle}/device_run.py ..."
+        )
+        return "\n".join(lines)
+
+
+def travelling_tree_bytes(root: Path) -> int:
+    """Bytes of what a device call sends of ``root``: tracked files and untracked
+    files git does not ignore (deleted files and links count as nothing)."""
+    listed = git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout
+    total = 0
+    for name in dict.fromkeys(filter(None, listed.split("\0"))):
+        path = root / name
+        if path.is_file() and not path.is_symlink():
+            total += path.stat().st_size
+    return total
+
+
+def _entry_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def plan_carry(
+    root: Path,
+    bundle_dir: Path,
+    *,
+    call_bytes: int = CALL_BYTES,
+    call_paths: int = CALL_PATHS,
+    tree_bytes: int | None = None,
+) -> CarryPlan:
+    """Plan the device calls that bring ``bundle_dir`` (inside ``root``) to the host.
+
+    The largest bundle entries are carried ahead, each earlier call as full as
+    one call allows, until the rest fits the last call with the tree.
+
+    Raises:
+        HarnessError: ``bundle_dir`` is not inside ``root``; the tree alone, or
+            the tree with one bundle entry, is over ``call_bytes``; or the last
+            call would name more than ``call_paths`` paths.
+
+    """
+    try:
+        rel = bundle_dir.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        raise HarnessError(
+            f"{bundle_dir} is not inside {root}: a device call cannot carry it"
+        ) from None
+    tree = travelling_tree_bytes(root) if tree_bytes is None else tree_bytes
+    entries = sorted(
+        ((f"{rel}/{p.name}", _entry_bytes(p)) for p in bundle_dir.iterdir()),
+        key=lambda e: (-e[1], e[0]),
+    )
+    total = sum(size for _, size in entries)
+    if tree + total <= call_bytes:
+        return CarryPlan(rel, tree, total, (), (rel,))
+    room = call_bytes - tree
+    # The runner and the manifest stay with the last call; carry the largest ahead.
+    keep = {f"{rel}/device_run.py", f"{rel}/MANIFEST.txt", f"{rel}/provenance.json"}
+    movable = [e for e in entries if e[0] not in keep]
+    too_big = [name for name, size in movable if size > room]
+    if room <= 0 or too_big:
+        raise HarnessError(
+            f"the working tree ({tree / MiB:.1f} MiB) leaves {max(room, 0) / MiB:.1f} MiB of a "
+            f"call's {call_bytes / MiB:.0f} MiB, too little for "
+            f"{', '.join(too_big) or 'any bundle entry'}; commit fewer large files or build "
+            "the bundle with fewer tests, kernels or wheels"
+        )
+    remaining = total
+    ahead: list[tuple[str, int]] = []
+    for entry in movable:
+        if remaining <= room:
+            break
+        ahead.append(entry)
+        remaining -= entry[1]
+    calls: list[list[tuple[str, int]]] = []
+    for entry in ahead:  # first fit, largest first
+        for call in calls:
+            if sum(size for _, size in call) + entry[1] <= room:
+                call.append(entry)
+                break
+        else:
+            calls.append([entry])
+    moved = {name for name, _ in ahead}
+    final = tuple(sorted(name for name, _ in entries if name not in moved))
+    if len(final) > call_paths:
+        raise HarnessError(
+            f"the last call would name {len(final)} paths (at most {call_paths}): "
+            + ", ".join(final)
+        )
+    staged = tuple(tuple(sorted(name for name, _ in call)) for call in calls)
+    return CarryPlan(rel, tree, total, staged, final)

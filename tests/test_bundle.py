@@ -937,3 +937,103 @@ def test_device_run_installs_a_joined_wheel_group_and_its_pth_paths(
     assert data["install"]["wheels"] == 2
     assert data["replays"][0]["status"] == "passed", data["replays"]
     assert code == 0
+
+
+# --- carry plan ---------------------------------------------------------------------------------
+
+
+def carry_repo(tmp_path: Path, bundle_sizes: dict[str, int], tree: dict[str, int]) -> Path:
+    """A git checkout with ``tree`` (tracked) files and an ignored ``.bundle``."""
+    from harness.project import git
+
+    root = tmp_path / "repo"
+    root.mkdir()
+    git(root, "init", "-q")
+    (root / ".gitignore").write_text("/.bundle/\n/ignored.bin\n")
+    for name, size in tree.items():
+        (root / name).write_bytes(b"t" * size)
+    git(root, "add", "-A")
+    (root / "untracked.txt").write_bytes(b"u" * 100)
+    (root / "ignored.bin").write_bytes(b"i" * 10_000)
+    folder = root / ".bundle"
+    folder.mkdir()
+    for name, size in bundle_sizes.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"b" * size)
+    return root
+
+
+BUNDLE_SIZES = {
+    "MANIFEST.txt": 10,
+    "device_run.py": 40,
+    "provenance.json": 10,
+    "kernels-_C.tar.xz": 500,
+    "kernels-_moe_C.tar.xz": 400,
+    "vllm-py.tar.xz": 200,
+    "tests.tar.xz": 20,
+    "wheels/a.whl": 150,
+    "wheels/b.whl": 150,
+}
+
+
+def test_the_tree_counts_tracked_and_untracked_files_but_not_ignored_ones(tmp_path: Path) -> None:
+    root = carry_repo(tmp_path, BUNDLE_SIZES, {"a.txt": 1000})
+    gitignore = len((root / ".gitignore").read_bytes())
+    assert bundle.travelling_tree_bytes(root) == 1000 + 100 + gitignore
+
+
+def test_a_bundle_that_fits_travels_whole_in_one_call(tmp_path: Path) -> None:
+    root = carry_repo(tmp_path, BUNDLE_SIZES, {"a.txt": 1000})
+    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=10_000)
+    assert plan.staged == () and plan.final == (".bundle",)
+    assert plan.bundle_bytes == sum(BUNDLE_SIZES.values())
+    assert plan.final_prefix == "" and "one call, carry ['.bundle']" in plan.describe()
+
+
+def test_an_oversized_bundle_sends_its_largest_entries_ahead(tmp_path: Path) -> None:
+    root = carry_repo(tmp_path, BUNDLE_SIZES, {"a.txt": 1000})
+    tree = bundle.travelling_tree_bytes(root)
+    limit = tree + 850  # the whole bundle is 1480 bytes
+    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=limit)
+    sizes = {f".bundle/{k}": v for k, v in BUNDLE_SIZES.items()}
+    sizes[".bundle/wheels"] = 300
+    # Largest first until the rest fits: _C (500) ahead; 980 left > 850, so _moe_C
+    # too; together they are over one call, so each has its own.
+    assert plan.staged == ((".bundle/kernels-_C.tar.xz",), (".bundle/kernels-_moe_C.tar.xz",))
+    assert ".bundle/device_run.py" in plan.final and ".bundle/MANIFEST.txt" in plan.final
+    carried = [p for call in plan.staged for p in call] + list(plan.final)
+    assert sorted(carried) == sorted(
+        [p for p in sizes if not p.startswith(".bundle/wheels/")]
+    )  # every entry once, the wheels folder as one path
+    for call in (*plan.staged, plan.final):
+        assert tree + sum(sizes[p] for p in call) <= limit
+    assert plan.stage_command(0) == (
+        f"mkdir -p {bundle.STAGED_DIR} && cp -r .bundle/kernels-_C.tar.xz {bundle.STAGED_DIR}/"
+    )
+    assert plan.final_prefix == f"cp -r {bundle.STAGED_DIR}/. .bundle/ && "
+    assert "3 calls in a row" in plan.describe()
+
+
+def test_entries_sent_ahead_share_a_call_when_they_fit(tmp_path: Path) -> None:
+    root = carry_repo(tmp_path, BUNDLE_SIZES, {"a.txt": 1000})
+    tree = bundle.travelling_tree_bytes(root)
+    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 950)
+    assert plan.staged == ((".bundle/kernels-_C.tar.xz", ".bundle/kernels-_moe_C.tar.xz"),)
+
+
+def test_a_tree_that_leaves_no_room_is_an_error_naming_the_entry(tmp_path: Path) -> None:
+    root = carry_repo(tmp_path, BUNDLE_SIZES, {"a.txt": 1000})
+    tree = bundle.travelling_tree_bytes(root)
+    with pytest.raises(HarnessError, match=r"kernels-_C\.tar\.xz"):
+        bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 450)
+    with pytest.raises(HarnessError, match="not inside"):
+        bundle.plan_carry(root, tmp_path, call_bytes=1 << 30)
+
+
+def test_a_last_call_with_too_many_paths_is_an_error(tmp_path: Path) -> None:
+    sizes = {**BUNDLE_SIZES, **{f"extra-{i}.tar.xz": 1 for i in range(5)}}
+    root = carry_repo(tmp_path, sizes, {"a.txt": 1000})
+    tree = bundle.travelling_tree_bytes(root)
+    with pytest.raises(HarnessError, match="would name 12 paths"):
+        bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1000)
