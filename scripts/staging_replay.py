@@ -33,6 +33,9 @@ then measures, with the real Marlin kernel:
   (approximate: the counter is a KB/s rate over a ~20 ms window);
 * the pinned host-to-device copy bandwidth of this machine in the same run,
   and the stager's copy rate (staged steps too narrow to compute much);
+* the rate of the pool's copy kernel reading non-resident rows through the
+  host view (``uva_copy``: how a routed-only copy would have to run without
+  a host sync); a failure of this probe is recorded under ``errors``;
 * MoE-only TTFT estimates for 12.5K and 81.6K-token prompts from the
   per-step times: the first chunk's first-step time, then steady-state times
   for the other full chunks and the remainder;
@@ -936,6 +939,48 @@ class Replay:
         self.stager.cross_step = False
         self.step(x, routes)
 
+    def uva_copy_bandwidth(self, reps: int, layers: int = 4) -> dict[str, Any]:
+        """The rate of the pool's SM-driven copy kernel (``copy_pool_rows``)
+        reading host rows through their UVA views: how a copy of only a step's
+        routed non-resident rows would have to run, since without a host sync
+        only the device knows the routes (issue #18). Each of the first
+        ``layers`` layers copies its non-resident rows into one device scratch
+        of a layer's rows; bytes over the time of all of them (CUDA events),
+        after one untimed pass (the kernel compiles)."""
+        import torch
+        from vllm.model_executor.layers.fused_moe.expert_pool.bank import copy_pool_rows
+
+        plans = []
+        for layer in self.pool.layers[:layers]:
+            hot = self.pool.tables.hot_slice(layer.index)
+            rows = (hot < 0).nonzero().flatten().to(torch.int32)
+            count = torch.tensor([rows.numel()], dtype=torch.int32, device="cuda")
+            plans.append((layer.copy_views()[0], rows, count))
+        scratch = [torch.empty_like(view) for view in plans[0][0]]
+        moved = sum(int(rows.numel()) for _, rows, _ in plans) * sum(self.row_bytes.values())
+        rates = []
+        for rep in range(reps + 1):
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for srcs, rows, count in plans:
+                copy_pool_rows(srcs, scratch, rows, rows, count)
+            end.record()
+            end.synchronize()
+            if rep:
+                rates.append(moved / (start.elapsed_time(end) / 1e3) / 1e9)
+        del scratch
+        torch.cuda.empty_cache()
+        return {
+            "gbps_median": statistics.median(rates),
+            "gbps_max": max(rates),
+            "bytes_per_pass": moved,
+            "layers": len(plans),
+            "method": "copy_pool_rows of each layer's non-resident rows from the host "
+            "views into a device scratch: bytes / time of all layers",
+        }
+
     def copy_bandwidth(self, reps: int) -> dict[str, Any]:
         """The stager's copy rate: staged steps too narrow to compute much.
 
@@ -1294,6 +1339,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     nonres_bytes = data["residency"]["nonresident_bytes_per_step"]
     data["copy_bound_s"] = nonres_bytes / (h2d * 1e9)
     data["stager_copy"] = rp.copy_bandwidth(3)
+    try:
+        data["uva_copy"] = rp.uva_copy_bandwidth(3)
+    except Exception as exc:  # a probe for a later design choice: never lose the run to it
+        data["errors"].append(f"uva_copy: {exc!r}")
     data["correctness"] = rp.correctness(args.check_tokens)
     phase["setup"] = time.monotonic() - started
 
@@ -1416,6 +1465,10 @@ def print_table(data: dict[str, Any]) -> None:
         f"stager copies {data['stager_copy']['gbps_median']:.1f} GB/s; "
         f"non-resident {data['residency']['nonresident_bytes_per_step'] / GIB:.2f} GiB/step"
     )
+    if "uva_copy" in data:
+        print(f"copy kernel through the host view {data['uva_copy']['gbps_median']:.1f} GB/s")
+    for error in data.get("errors", []):
+        print(f"error: {error}")
     print("ms per step: first step / steady state (mean of steps 2..N)")
     print(
         f"{'tokens':>7} {'resident':>9} {'host view':>15} {'staged':>15} {'sync':>9} "

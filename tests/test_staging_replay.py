@@ -691,6 +691,11 @@ def test_a_whole_run_on_stand_ins_writes_the_result_and_the_summary(
     rp.shuffle_residency = lambda rounds: {"nonresident_bytes_per_step": nonresident}
     rp.residency = lambda: {"nonresident_bytes_per_step": nonresident}
     rp.copy_bandwidth = lambda reps: {"gbps_median": 51.7}
+
+    def uva_copy(reps: int) -> dict[str, Any]:
+        raise RuntimeError("no GPU")
+
+    rp.uva_copy_bandwidth = uva_copy
     rp.correctness = lambda tokens: {
         "finite": True,
         "layers_staged": 3,
@@ -751,6 +756,8 @@ def test_a_whole_run_on_stand_ins_writes_the_result_and_the_summary(
     assert m.main([*argv, "--summary", str(earlier)]) == 0
     data = json.loads((out / "staging_replay.json").read_text())["data"]
     assert "failed" not in data, data.get("traceback")
+    # A failing UVA-copy probe is recorded and does not end the run.
+    assert data["errors"] == ["uva_copy: RuntimeError('no GPU')"] and "uva_copy" not in data
     assert len(data["steps"]) == 15
     assert set(data["steps"]["7872"]) >= {"resident", "host_view", "staged", "staged_sync"}
     assert data["steps"]["4608"]["staged"]["runs"][0]["step_s"][0] > 0
@@ -764,4 +771,6 @@ def test_a_whole_run_on_stand_ins_writes_the_result_and_the_summary(
     assert (256, 4096, True) in keys
     assert all(set(r) == set(m.SUMMARY_ROW_KEYS) for r in summary["rows"])
     assert set(summary["provenance"]["shapes"]) == {"128", "256"}
-    assert "[" in capsys.readouterr().out  # the goals' verdicts were printed
+    printed = capsys.readouterr().out
+    assert "[" in printed  # the goals' verdicts were printed
+    assert "error: uva_copy: RuntimeError('no GPU')" in printed
