@@ -65,6 +65,7 @@ import json
 import lzma
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -939,9 +940,10 @@ class CarryPlan:
     Each call also carries the working tree (``tree_bytes``). When the tree and
     the bundle fit one call, ``staged`` is empty and ``final`` is the bundle
     folder. Otherwise each entry of ``staged`` is an earlier call that copies
-    some bundle entries to :data:`STAGED_DIR`, and ``final`` names the entries
-    the last call carries itself; the calls must follow each other while the
-    host is still warm (it is handed back, ``/tmp`` with it, when idle).
+    some bundle entries to :data:`STAGED_DIR` (the first one empties it), and
+    ``final`` names the entries the last call carries itself; the calls must
+    follow each other while the host is still warm (it is handed back, ``/tmp``
+    with it, when idle).
     """
 
     bundle: str
@@ -952,15 +954,19 @@ class CarryPlan:
 
     def stage_command(self, call: int) -> str:
         """The command of earlier call ``call`` (0-based)."""
-        paths = " ".join(self.staged[call])
-        return f"mkdir -p {STAGED_DIR} && cp -r {paths} {STAGED_DIR}/"
+        paths = " ".join(shlex.quote(p) for p in self.staged[call])
+        fresh = f"rm -rf {STAGED_DIR} && " if call == 0 else ""
+        return f"{fresh}mkdir -p {STAGED_DIR} && cp -r {paths} {STAGED_DIR}/"
 
     @property
     def final_prefix(self) -> str:
-        """What the last call's command begins with, before ``device_run.py``."""
+        """What the last call's command begins with, before ``device_run.py``:
+        the staged entries of this plan (and nothing else) back into the bundle."""
         if not self.staged:
             return ""
-        return f"cp -r {STAGED_DIR}/. {self.bundle}/ && "
+        names = sorted(PurePosixPath(p).name for call in self.staged for p in call)
+        paths = " ".join(shlex.quote(f"{STAGED_DIR}/{name}") for name in names)
+        return f"cp -r {paths} {shlex.quote(self.bundle)}/ && "
 
     def describe(self) -> str:
         """The plan as instructions, one line per call."""
@@ -986,22 +992,31 @@ class CarryPlan:
         return "\n".join(lines)
 
 
+def _tree_bytes(paths: Iterable[Path]) -> int:
+    return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+
+
 def travelling_tree_bytes(root: Path) -> int:
-    """Bytes of what a device call sends of ``root``: tracked files and untracked
-    files git does not ignore (deleted files and links count as nothing)."""
+    """Bytes of what a device call sends of ``root``: tracked files, untracked
+    files git does not ignore, and a ``shared/`` folder (which travels even when
+    ignored); deleted files and links count as nothing."""
     listed = git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard").stdout
-    total = 0
-    for name in dict.fromkeys(filter(None, listed.split("\0"))):
-        path = root / name
-        if path.is_file() and not path.is_symlink():
-            total += path.stat().st_size
-    return total
+    names = set(filter(None, listed.split("\0")))
+    shared = root / "shared"
+    extra = shared.rglob("*") if shared.is_dir() else iter(())
+    return _tree_bytes(root / name for name in names) + _tree_bytes(
+        p for p in extra if p.relative_to(root).as_posix() not in names
+    )
 
 
 def _entry_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return _tree_bytes(path.rglob("*"))
+
+
+#: Bundle entries that travel with the last call, which runs them.
+_LAST_CALL = ("MANIFEST.txt", "device_run.py", "provenance.json")
 
 
 def plan_carry(
@@ -1015,16 +1030,19 @@ def plan_carry(
     """Plan the device calls that bring ``bundle_dir`` (inside ``root``) to the host.
 
     The largest bundle entries are carried ahead, each earlier call as full as
-    one call allows, until the rest fits the last call with the tree.
+    one call allows (by bytes and by paths), until the rest fits the last call
+    with the tree, by bytes and by paths.
 
     Raises:
-        HarnessError: ``bundle_dir`` is not inside ``root``; the tree alone, or
-            the tree with one bundle entry, is over ``call_bytes``; or the last
-            call would name more than ``call_paths`` paths.
+        HarnessError: ``bundle_dir`` is not inside ``root``; the tree leaves no
+            room for some bundle entry; or no plan keeps the last call within
+            ``call_bytes`` and ``call_paths``.
 
     """
+    root = root.resolve()
+    bundle_dir = (root / bundle_dir).resolve()
     try:
-        rel = bundle_dir.resolve().relative_to(root.resolve()).as_posix()
+        rel = bundle_dir.relative_to(root).as_posix()
     except ValueError:
         raise HarnessError(
             f"{bundle_dir} is not inside {root}: a device call cannot carry it"
@@ -1038,9 +1056,8 @@ def plan_carry(
     if tree + total <= call_bytes:
         return CarryPlan(rel, tree, total, (), (rel,))
     room = call_bytes - tree
-    # The runner and the manifest stay with the last call; carry the largest ahead.
-    keep = {f"{rel}/device_run.py", f"{rel}/MANIFEST.txt", f"{rel}/provenance.json"}
-    movable = [e for e in entries if e[0] not in keep]
+    last = {f"{rel}/{name}" for name in _LAST_CALL}
+    movable = [e for e in entries if e[0] not in last]
     too_big = [name for name, size in movable if size > room]
     if room <= 0 or too_big:
         raise HarnessError(
@@ -1049,27 +1066,29 @@ def plan_carry(
             f"{', '.join(too_big) or 'any bundle entry'}; commit fewer large files or build "
             "the bundle with fewer tests, kernels or wheels"
         )
-    remaining = total
+    remaining, count = total, len(entries)
     ahead: list[tuple[str, int]] = []
     for entry in movable:
-        if remaining <= room:
+        if remaining <= room and count <= call_paths:
             break
         ahead.append(entry)
         remaining -= entry[1]
+        count -= 1
+    if remaining > room or count > call_paths:
+        raise HarnessError(
+            f"no plan keeps the last call within {call_bytes / MiB:.0f} MiB and "
+            f"{call_paths} paths: {', '.join(sorted(last))} alone are "
+            f"{(total - sum(s for _, s in movable)) / MiB:.1f} MiB"
+        )
     calls: list[list[tuple[str, int]]] = []
     for entry in ahead:  # first fit, largest first
         for call in calls:
-            if sum(size for _, size in call) + entry[1] <= room:
+            if len(call) < call_paths and sum(s for _, s in call) + entry[1] <= room:
                 call.append(entry)
                 break
         else:
             calls.append([entry])
     moved = {name for name, _ in ahead}
     final = tuple(sorted(name for name, _ in entries if name not in moved))
-    if len(final) > call_paths:
-        raise HarnessError(
-            f"the last call would name {len(final)} paths (at most {call_paths}): "
-            + ", ".join(final)
-        )
     staged = tuple(tuple(sorted(name for name, _ in call)) for call in calls)
     return CarryPlan(rel, tree, total, staged, final)

@@ -21,6 +21,7 @@ import time
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -1008,10 +1009,18 @@ def test_an_oversized_bundle_sends_its_largest_entries_ahead(tmp_path: Path) -> 
     )  # every entry once, the wheels folder as one path
     for call in (*plan.staged, plan.final):
         assert tree + sum(sizes[p] for p in call) <= limit
+    staged = bundle.STAGED_DIR
+    # The first call empties the staging folder: nothing of an earlier bundle
+    # is copied back; the last call copies back exactly this plan's entries.
     assert plan.stage_command(0) == (
-        f"mkdir -p {bundle.STAGED_DIR} && cp -r .bundle/kernels-_C.tar.xz {bundle.STAGED_DIR}/"
+        f"rm -rf {staged} && mkdir -p {staged} && cp -r .bundle/kernels-_C.tar.xz {staged}/"
     )
-    assert plan.final_prefix == f"cp -r {bundle.STAGED_DIR}/. .bundle/ && "
+    assert plan.stage_command(1) == (
+        f"mkdir -p {staged} && cp -r .bundle/kernels-_moe_C.tar.xz {staged}/"
+    )
+    assert plan.final_prefix == (
+        f"cp -r {staged}/kernels-_C.tar.xz {staged}/kernels-_moe_C.tar.xz .bundle/ && "
+    )
     assert "3 calls in a row" in plan.describe()
 
 
@@ -1031,9 +1040,59 @@ def test_a_tree_that_leaves_no_room_is_an_error_naming_the_entry(tmp_path: Path)
         bundle.plan_carry(root, tmp_path, call_bytes=1 << 30)
 
 
-def test_a_last_call_with_too_many_paths_is_an_error(tmp_path: Path) -> None:
+def test_the_runner_manifest_and_provenance_always_travel_with_the_last_call(
+    tmp_path: Path,
+) -> None:
+    sizes = {**BUNDLE_SIZES, "device_run.py": 600, "provenance.json": 450}
+    root = carry_repo(tmp_path, sizes, {"a.txt": 1000})
+    tree = bundle.travelling_tree_bytes(root)
+    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1100)
+    ahead = {p for call in plan.staged for p in call}
+    assert {".bundle/device_run.py", ".bundle/provenance.json", ".bundle/MANIFEST.txt"} <= set(
+        plan.final
+    )
+    assert not ahead & set(plan.final)
+    with pytest.raises(HarnessError, match="no plan keeps the last call"):
+        bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1000)
+
+
+def test_more_entries_go_ahead_when_the_last_call_would_name_too_many_paths(
+    tmp_path: Path,
+) -> None:
     sizes = {**BUNDLE_SIZES, **{f"extra-{i}.tar.xz": 1 for i in range(5)}}
     root = carry_repo(tmp_path, sizes, {"a.txt": 1000})
     tree = bundle.travelling_tree_bytes(root)
-    with pytest.raises(HarnessError, match="would name 12 paths"):
-        bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1000)
+    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1000, call_paths=8)
+    # By bytes moving _C (500) and _moe_C (400) would do; 12 paths would be
+    # left, so the next largest go ahead too, and share earlier calls.
+    assert len(plan.final) <= 8
+    assert all(len(call) <= 8 for call in plan.staged)
+    carried = sorted(p for call in (*plan.staged, plan.final) for p in call)
+    assert len(carried) == len(set(carried)) == 13  # the wheels folder as one path
+
+
+def test_a_shared_folder_travels_even_when_ignored(tmp_path: Path) -> None:
+    root = carry_repo(tmp_path, BUNDLE_SIZES, {"a.txt": 1000})
+    before = bundle.travelling_tree_bytes(root)
+    (root / ".gitignore").write_text("/.bundle/\n/ignored.bin\n/shared/\n")
+    (root / "shared").mkdir()
+    (root / "shared" / "seed.md").write_bytes(b"s" * 300)
+    assert bundle.travelling_tree_bytes(root) == before + 300 + len("/shared/\n")
+
+
+def test_the_bundle_command_warns_when_no_plan_exists(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from harness import __main__ as cli
+
+    built = bundle.Bundle(tmp_path / "b", 5, {})
+    monkeypatch.setattr(bundle, "build_bundle", lambda project, **kw: built)
+
+    def no_plan(root: Path, folder: Path) -> bundle.CarryPlan:
+        raise HarnessError("is not inside")
+
+    monkeypatch.setattr(bundle, "plan_carry", no_plan)
+    args = cli.parser().parse_args(["bundle", "--out", str(tmp_path / "b")])
+    project = SimpleNamespace(root=tmp_path)
+    assert cli._cmd_bundle(project, args) == 0  # type: ignore[arg-type]
+    assert "warning: no carry plan: is not inside" in capsys.readouterr().err
