@@ -136,7 +136,7 @@ def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
         print(f"  and {shown}/{device_run.PARTS_MANIFEST} with the last one")
         return 0
     if args.carry_plan:
-        folder = args.out or project.root / ".bundle"
+        folder = args.out or bundle.default_out(project)
         if not (folder / "provenance.json").is_file():
             raise HarnessError(f"{folder} is not a device bundle: build it first")
         print(bundle.plan_carry(project.root, folder).describe())

@@ -616,6 +616,11 @@ def _staging(project: Project, out: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix="bundle-staging-", dir=project.work))
 
 
+def default_out(project: Project) -> Path:
+    """Where a bundle is built unless told otherwise: ``<repo>/.bundle`` (ignored by git)."""
+    return project.root / ".bundle"
+
+
 def build_bundle(
     project: Project,
     *,
@@ -660,7 +665,7 @@ def build_bundle(
         HarnessError: a missing input, a patch that no longer matches, a failed
             download, or a bundle over ``max_bytes`` (nothing is left at ``out``).
     """
-    out = (out or project.root / ".bundle").resolve()
+    out = (out or default_out(project)).resolve()
     pin = project.pin
     tree = project.tree
     if not (tree / ".git").exists():
@@ -951,6 +956,7 @@ class CarryPlan:
     bundle_bytes: int
     staged: tuple[tuple[str, ...], ...]
     final: tuple[str, ...]
+    call_bytes: int = CALL_BYTES
 
     def stage_command(self, call: int) -> str:
         """The command of earlier call ``call`` (0-based)."""
@@ -978,7 +984,7 @@ class CarryPlan:
         if not self.staged:
             return f"{head}: one call, carry [{self.bundle!r}]"
         lines = [
-            f"{head}, over one call's {CALL_BYTES / MiB:.0f} MiB: {len(self.staged) + 1} "
+            f"{head}, over one call's {self.call_bytes / MiB:.0f} MiB: {len(self.staged) + 1} "
             "calls in a row on one warm machine"
         ]
         for i, paths in enumerate(self.staged):
@@ -1054,7 +1060,7 @@ def plan_carry(
     )
     total = sum(size for _, size in entries)
     if tree + total <= call_bytes:
-        return CarryPlan(rel, tree, total, (), (rel,))
+        return CarryPlan(rel, tree, total, (), (rel,), call_bytes)
     room = call_bytes - tree
     last = {f"{rel}/{name}" for name in _LAST_CALL}
     movable = [e for e in entries if e[0] not in last]
@@ -1091,4 +1097,4 @@ def plan_carry(
     moved = {name for name, _ in ahead}
     final = tuple(sorted(name for name, _ in entries if name not in moved))
     staged = tuple(tuple(sorted(name for name, _ in call)) for call in calls)
-    return CarryPlan(rel, tree, total, staged, final)
+    return CarryPlan(rel, tree, total, staged, final, call_bytes)
