@@ -380,6 +380,12 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     )
     e.add_argument("--no-ttft", action="store_true", help="skip the TTFT runs")
     e.add_argument(
+        "--no-decode",
+        action="store_true",
+        help="skip the decode runs (TTFT only; needs --no-spec, since the ngram servers only "
+        "decode)",
+    )
+    e.add_argument(
         "--summarize",
         type=_path,
         metavar="DIR",
@@ -436,7 +442,8 @@ def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
         profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
         speculative=not args.no_spec, plain=not args.spec_only, concurrency=args.concurrency,
-        ttft=not args.no_ttft, dry_run=args.dry_run, argv=sys.argv[1:],
+        ttft=not args.no_ttft, decode=not args.no_decode, dry_run=args.dry_run,
+        argv=sys.argv[1:],
     )  # fmt: skip
 
 

@@ -830,23 +830,34 @@ def main(
     plain: bool = True,
     concurrency: Sequence[int] = (),
     ttft: bool = True,
+    decode: bool = True,
     dry_run: bool = False,
     argv: Sequence[str] = (),
 ) -> int:
     """``python -m harness replay e2e``: see the module docstring. ``concurrency``
-    replaces the profile's decode concurrencies, ``ttft=False`` drops its TTFT runs
-    and ``plain=False`` starts only the speculative-decoding servers, so that one
-    profile's work can be split over several time-limited calls."""
+    replaces the profile's decode concurrencies, ``ttft=False`` drops its TTFT runs,
+    ``decode=False`` its decode runs, and ``plain=False`` starts only the
+    speculative-decoding servers, so that one profile's work can be split over several
+    time-limited calls."""
     if not plain and not speculative:
         raise HarnessError("--spec-only and --no-spec leave no server to start; drop one")
+    if not decode and speculative:
+        raise HarnessError(
+            "--no-decode leaves the ngram servers (which only decode) nothing to measure; "
+            "add --no-spec"
+        )
+    if not decode and not ttft:
+        raise HarnessError("--no-decode and --no-ttft leave nothing to measure; drop one")
     profiles = load_profiles()
     if profile_name not in profiles:
         raise HarnessError(f"unknown e2e profile {profile_name!r}; known: {', '.join(profiles)}")
     profile = profiles[profile_name]
-    if concurrency or not ttft:
+    if concurrency or not ttft or not decode:
         measure = dataclasses.replace(
             profile.measure,
-            decode_concurrency=tuple(concurrency) or profile.measure.decode_concurrency,
+            decode_concurrency=(tuple(concurrency) or profile.measure.decode_concurrency)
+            if decode
+            else (),
             ttft_input_lens=profile.measure.ttft_input_lens if ttft else (),
         )
         profile = dataclasses.replace(profile, measure=measure)

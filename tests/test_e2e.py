@@ -283,6 +283,27 @@ def test_spec_only_starts_only_the_speculative_servers(
         e2e.main("glm-shape-h200", tmp_path, python=Path("py"), speculative=False, plain=False)
 
 
+def test_no_decode_keeps_only_the_warm_up_and_ttft_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert e2e.main(
+        "glm-shape-h200", tmp_path, python=Path("py"), arms=["pool", "pool-host-view"],
+        routers=["skewed"], speculative=False, decode=False, dry_run=True,
+    ) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert len([line for line in lines if line.startswith("vllm serve ")]) == 2
+    benches = [line for line in lines if "bench serve" in line]
+    assert len(benches) == 2 * 3  # per server: the warm-up and the two TTFT lengths
+    assert not any("--ignore-eos" in b and "--max-concurrency 32" in b for b in benches)
+    with pytest.raises(e2e.HarnessError, match="add --no-spec"):
+        e2e.main("glm-shape-h200", tmp_path, python=Path("py"), decode=False)
+    with pytest.raises(e2e.HarnessError, match="leave nothing to measure"):
+        e2e.main(
+            "glm-shape-h200", tmp_path, python=Path("py"), speculative=False, decode=False,
+            ttft=False,
+        )  # fmt: skip
+
+
 def test_acceptance_rate_covers_the_bench_alone() -> None:
     # Counters since the server started include the warm-up's greedy tokens.
     old = {"spec_decode_since_start": {"acceptance_rate": 0.0102},
