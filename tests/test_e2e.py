@@ -335,7 +335,7 @@ def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
     folders = sorted(p.parent for p in (root / "results/e2e").glob("*/server-*.json"))
     again = e2e.summarize_runs(sorted(set(folders)))
     assert again["decode"] == summary["decode"] and again["servers"] == summary["servers"]
-    assert {r["run"] for r in summary["decode"]} == {f.name for f in folders}
+    assert {r["run"] for r in summary["decode"] + summary["ttft"]} == {f.name for f in folders}
     assert all(r["series_hash"] for r in summary["decode"] + summary["ttft"])
 
 
