@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from pool_decode_replay import write_result  # same folder: sys.path[0]
-from staging_replay import Replay, _need_stage, parse_args, pinned_h2d_bandwidth, replay_vllm_config
+from staging_replay import (
+    Replay,
+    _need_stage,
+    event_times_ms,
+    parse_args,
+    pinned_h2d_bandwidth,
+    replay_vllm_config,
+)
 
 DEFAULT_SIZES = (16, 24, 32, 48, 64, 96, 128, 256)
 MODES = ("host_view", "routed", "staged")
@@ -117,16 +124,7 @@ def time_steps(step: Any, reps: int) -> float:
 
     step()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(event_times_ms(step, reps))
 
 
 def _equal(outputs: list[Any], reference: list[Any]) -> bool:

@@ -690,6 +690,23 @@ def uniform_routes(tokens: int, num_experts: int, gen: Any) -> tuple[Any, Any]:
 # Measurement helpers
 
 
+def event_times_ms(work: Callable[[], object], reps: int) -> list[float]:
+    """``reps`` calls of ``work``, each between two CUDA events on the current
+    stream and waited for: the milliseconds of each (warm up before calling)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def pinned_h2d_bandwidth(nbytes: int, reps: int) -> dict[str, Any]:
     """Pinned host -> device copy bandwidth (GB/s, 1e9 B/s) with CUDA events."""
     import torch
@@ -699,16 +716,8 @@ def pinned_h2d_bandwidth(nbytes: int, reps: int) -> dict[str, Any]:
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    rates = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
-    del src, dst
+    times = event_times_ms(lambda: dst.copy_(src, non_blocking=True), reps)
+    rates = [nbytes / (ms / 1e3) / 1e9 for ms in times]
     return {
         "bytes": nbytes,
         "reps": reps,
@@ -958,19 +967,15 @@ class Replay:
             plans.append((layer.copy_views()[0], rows, count))
         scratch = [torch.empty_like(view) for view in plans[0][0]]
         moved = sum(int(rows.numel()) for _, rows, _ in plans) * sum(self.row_bytes.values())
-        rates = []
-        for rep in range(reps + 1):
-            torch.cuda.synchronize()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+
+        def copy_all() -> None:
             for srcs, rows, count in plans:
                 copy_pool_rows(srcs, scratch, rows, rows, count)
-            end.record()
-            end.synchronize()
-            if rep:
-                rates.append(moved / (start.elapsed_time(end) / 1e3) / 1e9)
-        del scratch
+
+        copy_all()
+        torch.cuda.synchronize()
+        rates = [moved / (ms / 1e3) / 1e9 for ms in event_times_ms(copy_all, reps)]
+        scratch.clear()
         torch.cuda.empty_cache()
         return {
             "gbps_median": statistics.median(rates),

@@ -515,6 +515,19 @@ def _fake_torch(world: _World) -> ModuleType:
     return torch
 
 
+def test_event_times_are_each_calls_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    world = _World()
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(world))
+    costs = iter([3.0, 5.0])
+
+    def work() -> None:
+        world.log.append("work")
+        world.now += next(costs)
+
+    assert _replay().event_times_ms(work, 2) == [3.0, 5.0]
+    assert world.log == ["event", "work", "event"] * 2
+
+
 class _Stager:
     def __init__(self, world: _World) -> None:
         self.world = world
