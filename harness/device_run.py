@@ -18,7 +18,9 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
 1. **install**: check every file against ``MANIFEST.txt``; unpack the vLLM
    tree and kernel libraries into ``<prefix>/py``, the tests into
    ``<prefix>/tests``, and ``pip install --no-index --no-deps --target
-   <prefix>/site`` the wheels; byte-compile both trees once (the children run
+   <prefix>/site`` the wheels the manifest lists (any other ``.whl`` in
+   ``wheels/`` is named in the log and left alone); byte-compile both trees
+   once (the children run
    with ``PYTHONDONTWRITEBYTECODE``). Nothing outside ``<prefix>`` is written
    but ``<out>``.
 2. **smoke** (in a child process with ``PYTHONPATH=<prefix>/py:<prefix>/site``):
@@ -205,14 +207,20 @@ def install(
     """
     start = time.time()
     provenance = json.loads((bundle / "provenance.json").read_text())
-    verify_manifest(bundle)
+    listed = verify_manifest(bundle)
     prepare_prefix(prefix)
     contents = provenance["contents"]
     unpack(bundle / contents["python"]["archive"], prefix / "py")
     for kernel in contents["kernels"]:
         unpack(bundle / kernel["archive"], prefix / "py")
     unpack(bundle / contents["tests"]["archive"], prefix / "tests")
-    wheels = sorted((bundle / "wheels").glob("*.whl"))
+    # Only the wheels the manifest verified: a wheel left in wheels/ by an earlier
+    # bundle or by hand would otherwise be installed unchecked beside them.
+    wheels = sorted(bundle / rel for rel in listed if rel.startswith("wheels/"))
+    present = {w.name for w in (bundle / "wheels").glob("*.whl")}
+    unlisted = sorted(present - {w.name for w in wheels})
+    if unlisted:
+        log(f"not installed, not in MANIFEST.txt: {', '.join(unlisted)}")
     extra = [w for folder in wheel_parts for w in join_wheel_parts(folder, prefix / "parts")]
     wheels += extra
     if wheels:
@@ -247,6 +255,7 @@ def install(
         "seconds": round(time.time() - start, 1),
         "wheels": len(wheels),
         "wheel_parts": [w.name for w in extra],
+        "unlisted_wheels": unlisted,
     }
 
 

@@ -570,6 +570,20 @@ def test_device_run_needs_nothing_but_the_standard_library() -> None:
     assert top <= set(sys.stdlib_module_names) | {"__future__"}
 
 
+def test_device_run_installs_only_the_wheels_the_manifest_lists(
+    ready: Project, tmp_path: Path
+) -> None:
+    out_bundle = build(ready, tmp_path).path
+    # A stale file an earlier bundle could have left: pip would fail on it.
+    (out_bundle / "wheels" / "stale-0.1-py3-none-any.whl").write_bytes(b"not a wheel")
+    logged: list[str] = []
+    record = device_run.install(out_bundle, tmp_path / "prefix", logged.append)
+    assert record["status"] == "passed"
+    assert record["unlisted_wheels"] == ["stale-0.1-py3-none-any.whl"]
+    assert any("stale-0.1-py3-none-any.whl" in line for line in logged)
+    assert (tmp_path / "prefix" / "site" / "tinydep" / "__init__.py").exists()
+
+
 def test_device_run_installs_runs_pytest_and_reports_skips_and_failures(
     ready: Project, tmp_path: Path
 ) -> None:
