@@ -19,9 +19,9 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
    tree and kernel libraries into ``<prefix>/py``, the tests into
    ``<prefix>/tests``, and ``pip install --no-index --no-deps --target
    <prefix>/site`` the wheels the manifest lists (any other ``.whl`` in
-   ``wheels/`` is named in the log and left alone); byte-compile both trees
-   once (the children run
-   with ``PYTHONDONTWRITEBYTECODE``). Nothing outside ``<prefix>`` is written
+   ``wheels/`` is named in the log and in the record's ``unlisted_wheels``,
+   and left alone); byte-compile both trees once (the children run with
+   ``PYTHONDONTWRITEBYTECODE``). Nothing outside ``<prefix>`` is written
    but ``<out>``.
 2. **smoke** (in a child process with ``PYTHONPATH=<prefix>/py:<prefix>/site``):
    vLLM imports and picks the CUDA platform; one kernel of each carried
@@ -216,7 +216,9 @@ def install(
     unpack(bundle / contents["tests"]["archive"], prefix / "tests")
     # Only the wheels the manifest verified: a wheel left in wheels/ by an earlier
     # bundle or by hand would otherwise be installed unchecked beside them.
-    wheels = sorted(bundle / rel for rel in listed if rel.startswith("wheels/"))
+    wheels = sorted(
+        bundle / rel for rel in listed if rel.startswith("wheels/") and rel.endswith(".whl")
+    )
     present = {w.name for w in (bundle / "wheels").glob("*.whl")}
     unlisted = sorted(present - {w.name for w in wheels})
     if unlisted:

@@ -841,13 +841,15 @@ def main(
     time-limited calls."""
     if not plain and not speculative:
         raise HarnessError("--spec-only and --no-spec leave no server to start; drop one")
-    if not decode and speculative:
-        raise HarnessError(
-            "--no-decode leaves the ngram servers (which only decode) nothing to measure; "
-            "add --no-spec"
-        )
     if not decode and not ttft:
         raise HarnessError("--no-decode and --no-ttft leave nothing to measure; drop one")
+    if not decode and concurrency:
+        raise HarnessError("--concurrency sets the decode runs that --no-decode drops; drop one")
+    if not decode and speculative:
+        raise HarnessError(
+            "--no-decode drops the plain servers' decode runs, but the ngram servers run "
+            "nothing else (their decode at the profile's spec concurrencies); add --no-spec"
+        )
     profiles = load_profiles()
     if profile_name not in profiles:
         raise HarnessError(f"unknown e2e profile {profile_name!r}; known: {', '.join(profiles)}")

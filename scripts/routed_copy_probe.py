@@ -20,11 +20,14 @@ the other on the same inputs:
 * ``staged``: 0004's stager forced on at this width (every non-resident row by
   DMA, layer ``i + 1`` copied while layer ``i`` computes).
 
-It also records the copy kernel's rate through the host view
-(``Replay.uva_copy_bandwidth``), the routed non-resident bytes of each step,
-whether the routed output is bitwise equal to the host view's, and what the
+Every mode runs the worker's per-step hook (``note_step``) before its layers.
+It also records the pinned H2D rate, the copy kernel's rate through the host
+view (``Replay.uva_copy_bandwidth``), the routed non-resident bytes of each
+step, whether the host view repeats itself bitwise and whether the routed and
+staged outputs equal it (with each one's largest difference), and what the
 series does at each width (the cost model's choice). Writes
-``routed_copy_probe.json`` (harness result schema) to ``--out``.
+``routed_copy_probe.json`` (harness result schema) to ``--out``, with the
+widths measured before any failure.
 """
 
 from __future__ import annotations
@@ -72,7 +75,6 @@ class RoutedOnly:
         self.buffer = {name: torch.empty_like(t) for name, t in stager.buffers[0].items()}
         self.words = [word_view(self.buffer[name]) for name in POOL_TENSORS]
         self.routes: dict[int, Any] = {}
-        self.rows_copied = 0
 
     def __call__(self, layer: Any, num_tokens: int) -> dict[str, Any]:
         import torch
@@ -139,14 +141,15 @@ def probe_size(replay: Replay, proto: RoutedOnly, tokens: int, reps: int) -> dic
     x, routes = replay.chunk_inputs(tokens, 1)[0]
     rows = routed_nonresident_rows(replay, routes)
     expert_bytes = sum(replay.row_bytes.values())
-    layer = replay.pool.layers[0]
+    first = replay.pool.layers[0]
+    replay.set_mode("staged")  # the cost model as configured (``--min-tokens``)
     entry: dict[str, Any] = {
         "tokens": tokens,
         "routed_nonresident_rows": sum(rows),
         "routed_nonresident_bytes": sum(rows) * expert_bytes,
         "nonresident_bytes": replay.residency()["nonresident_bytes_per_step"],
         "series_stages": replay.stager.cost.stages(
-            tokens, layer.block_size_for(tokens, replay.stager.cost.top_k)
+            tokens, first.block_size_for(tokens, replay.stager.cost.top_k)
         ),
     }
     outputs: dict[str, list[Any]] = {}
@@ -158,18 +161,19 @@ def probe_size(replay: Replay, proto: RoutedOnly, tokens: int, reps: int) -> dic
                 layer.index: ids for layer, (ids, _) in zip(replay.pool.layers, routes, strict=True)
             }
 
-            def run(routes: Any = routes) -> list[Any]:
+            def step_fn(routes: Any = routes) -> list[Any]:
+                replay.stager.note_step()  # as Replay.step does for the other modes
                 return replay.pool_step(x, routes)
         else:
             replay.set_mode(mode, min_tokens=tokens if mode == "staged" else None)
 
-            def run(routes: Any = routes) -> list[Any]:
+            def step_fn(routes: Any = routes) -> list[Any]:
                 return replay.step(x, routes)
 
-        entry[f"{mode}_ms"] = time_steps(run, reps)
-        outputs[mode] = run()
+        entry[f"{mode}_ms"] = time_steps(step_fn, reps)
+        outputs[mode] = step_fn()
         if mode == "host_view":
-            outputs["host_view_again"] = run()
+            outputs["host_view_again"] = step_fn()
         torch.cuda.synchronize()
     replay.set_mode("staged")
     reference = outputs["host_view"]
@@ -182,7 +186,8 @@ def probe_size(replay: Replay, proto: RoutedOnly, tokens: int, reps: int) -> dic
             float((a.float() - b.float()).abs().max())
             for a, b in zip(outputs[mode], reference, strict=True)
         )
-    entry["routed_gbps"] = entry["routed_nonresident_bytes"] / (entry["routed_ms"] / 1e3) / 1e9
+    # Routed bytes over the whole routed step (copy and Marlin), not the copy's rate.
+    entry["routed_step_gbps"] = entry["routed_nonresident_bytes"] / (entry["routed_ms"] / 1e3) / 1e9
     entry.update(gains(entry))
     return entry
 
@@ -190,7 +195,7 @@ def probe_size(replay: Replay, proto: RoutedOnly, tokens: int, reps: int) -> dic
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     data: dict[str, Any] = {"errors": [], "sizes": args.sizes, "reps": args.reps}
-    data["pinned_h2d"] = pinned_h2d_bandwidth(1 << 30, 5)
+    data["pinned_h2d"] = pinned_h2d_bandwidth(args.bw_bytes, 5)
     replay = Replay(args)
     data["setup"] = {
         "layers": args.layers,
@@ -202,7 +207,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data["residency"] = replay.shuffle_residency(args.shuffle_rounds)
     data["uva_copy"] = replay.uva_copy_bandwidth(3)
     proto = RoutedOnly(replay)
-    data["steps"] = [probe_size(replay, proto, t, args.reps) for t in args.sizes]
+    data["steps"] = []
+    for tokens in args.sizes:
+        try:
+            data["steps"].append(probe_size(replay, proto, tokens, args.reps))
+        except Exception as exc:  # keep the widths already measured
+            data["errors"].append(f"{tokens} tokens: {type(exc).__name__}: {exc}")
+            break
     data["seconds"] = time.monotonic() - started
     return data
 
@@ -214,20 +225,29 @@ def print_table(data: dict[str, Any]) -> None:
     )
     print(
         f"{'tokens':>6} {'routed GiB':>10} {'host view':>10} {'routed':>8} {'staged':>8} "
-        f"{'series':>9} {'hv/routed':>9} {'series/routed':>13} {'bitwise':>7} {'hv again':>8}"
+        f"{'series':>9} {'hv/routed':>9} {'series/routed':>13} "
+        f"{'bitwise routed/staged/hv again':>30}"
     )
     for e in data["steps"]:
         print(
             f"{e['tokens']:>6} {e['routed_nonresident_bytes'] / (1 << 30):>10.2f} "
             f"{e['host_view_ms']:>10.1f} {e['routed_ms']:>8.1f} {e['staged_ms']:>8.1f} "
             f"{series_choice(e['series_stages']):>9} {e['host_view_over_routed']:>9.3f} "
-            f"{e['series_over_routed']:>13.3f} {e['routed_bitwise_equal']!s:>7} "
-            f"{e.get('host_view_repeatable')!s:>8}"
+            f"{e['series_over_routed']:>13.3f} "
+            f"{e['routed_bitwise_equal']!s:>10}/{e['staged_bitwise_equal']!s}/"
+            f"{e['host_view_repeatable']!s}"
         )
+    for error in data["errors"]:
+        print(f"error: {error}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog="Other options go to scripts/staging_replay.py's parser, which builds the "
+        "layer stack: --min-tokens (the stager's threshold), --host-sets, --seed, "
+        "--shuffle-rounds, --bw-bytes (the pinned H2D probe's size).",
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--rows", type=int, default=192, help="pool rows per layer")
@@ -266,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(data["traceback"], file=sys.stderr)
         return 1
     print_table(data)
-    return 0
+    return 1 if data["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -302,6 +302,11 @@ def test_no_decode_keeps_only_the_warm_up_and_ttft_runs(
             "glm-shape-h200", tmp_path, python=Path("py"), speculative=False, decode=False,
             ttft=False,
         )  # fmt: skip
+    with pytest.raises(e2e.HarnessError, match="--concurrency sets the decode runs"):
+        e2e.main(
+            "glm-shape-h200", tmp_path, python=Path("py"), speculative=False, decode=False,
+            concurrency=[4],
+        )  # fmt: skip
 
 
 def test_acceptance_rate_covers_the_bench_alone() -> None:

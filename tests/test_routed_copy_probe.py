@@ -20,7 +20,7 @@ def test_the_script_imports_without_torch_or_vllm(monkeypatch: pytest.MonkeyPatc
     assert _probe().MODES == ("host_view", "routed", "staged")
 
 
-def test_the_series_choice_is_the_cost_models() -> None:
+def test_gains_compare_with_the_mode_the_series_runs() -> None:
     m = _probe()
     below = {"series_stages": False, "host_view_ms": 300.0, "routed_ms": 250.0, "staged_ms": 400.0}
     above = {**below, "series_stages": True, "staged_ms": 200.0}
