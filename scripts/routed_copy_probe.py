@@ -54,6 +54,15 @@ DEFAULT_SIZES = (16, 24, 32, 48, 64, 96, 128, 256)
 MODES = ("host_view", "routed", "staged")
 
 
+def routed_nonresident(tables: Any, layer_index: int, ids: Any) -> Any:
+    """``[E]`` bool on the device: experts the step routes to that the bank lacks."""
+    import torch
+
+    routed = torch.zeros(tables.num_experts, dtype=torch.bool, device=ids.device)
+    routed[ids.reshape(-1).long()] = True
+    return (tables.hot_slice(layer_index) < 0) & routed
+
+
 class RoutedOnly:
     """A stand-in stager: the routed non-resident rows of each layer, copied by
     the SMs through the host view into one device buffer (E rows, by expert id).
@@ -80,10 +89,7 @@ class RoutedOnly:
         import torch
         from vllm.model_executor.layers.fused_moe.expert_pool.bank import copy_pool_rows
 
-        ids = self.routes[layer.index]
-        routed = torch.zeros(self.tables.num_experts, dtype=torch.bool, device=ids.device)
-        routed[ids.reshape(-1).long()] = True
-        need = (self.tables.hot_slice(layer.index) < 0) & routed
+        need = routed_nonresident(self.tables, layer.index, self.routes[layer.index])
         rows = torch.argsort(need.to(torch.int8), descending=True, stable=True).to(torch.int32)
         count = need.sum(dtype=torch.int32).view(1)
         copy_pool_rows(layer.copy_views()[0], self.words, rows, rows, count)
@@ -94,16 +100,12 @@ class RoutedOnly:
 
 
 def routed_nonresident_rows(replay: Replay, routes: Any) -> list[int]:
-    """Per layer, routed experts outside the bank (host side, outside any timing)."""
-    import torch
-
-    counts = []
-    for layer, (ids, _) in zip(replay.pool.layers, routes, strict=True):
-        hot = replay.pool.tables.hot_slice(layer.index)
-        routed = torch.zeros(replay.E, dtype=torch.bool, device=ids.device)
-        routed[ids.reshape(-1).long()] = True
-        counts.append(int(((hot < 0) & routed).sum().item()))
-    return counts
+    """Per layer, routed experts outside the bank (read on the host, outside any timing)."""
+    tables = replay.pool.tables
+    return [
+        int(routed_nonresident(tables, layer.index, ids).sum().item())
+        for layer, (ids, _) in zip(replay.pool.layers, routes, strict=True)
+    ]
 
 
 def series_choice(staged: bool) -> str:
