@@ -386,6 +386,16 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "decode)",
     )
     e.add_argument(
+        "--deadline-s",
+        type=float,
+        metavar="SECONDS",
+        help="end within SECONDS of the start: a server start or decode bench that cannot "
+        "finish in the time left is skipped and named in the log (a server needs the "
+        "fastest start seen in this run; a decode bench at least the server's warm-up "
+        "inter-token latency x its output tokens), and summary.json is written; set it a "
+        "little under a time limit that would cut the run (device_run.py --replay-timeout)",
+    )
+    e.add_argument(
         "--summarize",
         type=_path,
         metavar="DIR",
@@ -443,7 +453,7 @@ def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
         speculative=not args.no_spec, plain=not args.spec_only, concurrency=args.concurrency,
         ttft=not args.no_ttft, decode=not args.no_decode, dry_run=args.dry_run,
-        argv=sys.argv[1:],
+        deadline_s=args.deadline_s, argv=sys.argv[1:],
     )  # fmt: skip
 
 

@@ -37,9 +37,11 @@ staging lines, the offloaders' own lines): :func:`server_facts` records them.
 **An arm that does not start is a result**: its server record says "does not
 run", with the exception from the log and the flags it was given, and the
 other arms go on. A run cut by the time limit leaves every result written
-before it. Results are one JSON per run (:func:`harness.results.write`);
-:func:`summarize` folds a folder of them into ``summary.json`` and
-:func:`plot` draws TTFT by arm and decode tok/s against concurrency.
+before it; with a deadline (``--deadline-s``) it does not start what cannot
+finish (:meth:`Runner.fits`) and ends in time to write its summary. Results
+are one JSON per run (:func:`harness.results.write`); :func:`summarize` folds
+a folder of them into ``summary.json`` and :func:`plot` draws TTFT by arm and
+decode tok/s against concurrency.
 """
 
 from __future__ import annotations
@@ -283,6 +285,26 @@ class Runner:
     )
     echo: Callable[[str], None] = print
     written: list[Path] = dataclasses.field(default_factory=list)
+    deadline: float | None = None  # a ``clock()`` value the run must end by; None: no limit
+    clock: Callable[[], float] = time.monotonic
+    startups: list[float] = dataclasses.field(default_factory=list)  # server starts, s
+
+    def fits(self, what: str, need_s: float) -> bool:
+        """Whether ``what``, which takes at least ``need_s`` seconds, can end before the
+        deadline; when it cannot, says so (the run then skips it, and :func:`summarize`
+        lists its results as not measured). A decode bench's ``need_s`` is a lower
+        bound, so no bench that could have finished is skipped; a server's is the
+        fastest start seen in this run (a start from a cold page cache is the slowest)."""
+        if self.deadline is None:
+            return True
+        left = self.deadline - self.clock()
+        if need_s <= left:
+            return True
+        progress(
+            f"{what}: skipped, it needs at least {need_s:.0f} s and {max(left, 0):.0f} s are "
+            "left before --deadline-s"
+        )
+        return False
 
     def sessions(self) -> list[tuple[str, Arm, bool]]:
         """``(router, arm, speculative)`` of every server this run starts, in order."""
@@ -319,6 +341,11 @@ class Runner:
             names = self._names(router, arm, speculative)
             if not self.dry_run and all((self.out / f"{n}.json").exists() for n in names):
                 progress(f"{router}/{arm.name}: every result exists in {self.out}; skipped")
+                continue
+            # The fastest start of this run so far bounds the next one from below.
+            if not self.dry_run and not self.fits(
+                f"{router}/{arm.name} server", min(self.startups, default=0.0)
+            ):
                 continue
             self._session(router, arm, speculative)
         return self.written
@@ -368,10 +395,11 @@ class Runner:
             if speculative else None,
             "budget": {"fraction": self.profile.budget, **budget},
         }  # fmt: skip
-        started = time.monotonic()
+        started = self.clock()
         with server:
             state = server.wait_healthy(self.profile.startup_timeout_s)
-            startup_s = round(time.monotonic() - started, 1)
+            startup_s = round(self.clock() - started, 1)
+            self.startups.append(startup_s)
             text = server.log.read_text(errors="replace") if server.log.exists() else ""
             record = {
                 **common,
@@ -388,12 +416,22 @@ class Runner:
             if state != "ok":
                 progress(f"{tag}: server did not start ({state}); next arm")
                 return
+            # The warm-up's median time between streamed outputs bounds a decode step from
+            # below (its one greedy request routes to the fewest experts); a speculative
+            # step streams at most 1 + k tokens.
+            step_s = 0.0
+            per_step = 1 + self.profile.measure.spec_tokens if speculative else 1
             for kind, run in runs:
                 done = self.out / run.result_file
                 if kind != "warmup" and done.exists():
                     progress(f"{done.name} exists; not measured again")
                     continue
+                need = step_s * (run.output_len - 1) / per_step if kind == "decode" else 0.0
+                if not self.fits(run.result_file.removesuffix(".json"), need):
+                    continue
                 self._bench(kind, run, router, server, common)
+                if kind == "warmup":
+                    step_s = warmup_step_s(run.result_dir / run.result_file)
 
     def _bench(
         self,
@@ -486,6 +524,17 @@ class Runner:
         path = results.write(self.out / f"{name}.json", kind, record, prov)
         self.written.append(path)
         progress(f"wrote {path}")
+
+
+def warmup_step_s(path: Path) -> float:
+    """The median time between streamed outputs of a warm-up bench result, in seconds
+    (its median TPOT where the result has no ITL); 0 when there is none."""
+    try:
+        bench = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return 0.0
+    ms = bench.get("median_itl_ms") or bench.get("median_tpot_ms") or 0.0
+    return float(ms) / 1000
 
 
 def pool_counters(
@@ -832,13 +881,18 @@ def main(
     ttft: bool = True,
     decode: bool = True,
     dry_run: bool = False,
+    deadline_s: float | None = None,
     argv: Sequence[str] = (),
 ) -> int:
     """``python -m harness replay e2e``: see the module docstring. ``concurrency``
     replaces the profile's decode concurrencies, ``ttft=False`` drops its TTFT runs,
     ``decode=False`` its decode runs, and ``plain=False`` starts only the
     speculative-decoding servers, so that one profile's work can be split over several
-    time-limited calls."""
+    time-limited calls; ``deadline_s``, counted from now, makes the run skip what
+    cannot finish in time (:meth:`Runner.fits`) instead of being cut."""
+    started = time.monotonic()
+    if deadline_s is not None and deadline_s <= 0:
+        raise HarnessError(f"--deadline-s must be a positive number of seconds, not {deadline_s}")
     if not plain and not speculative:
         raise HarnessError("--spec-only and --no-spec leave no server to start; drop one")
     if not decode and not ttft:
@@ -881,6 +935,7 @@ def main(
     runner = Runner(
         profile, out, vllm, models, spec, arms, routers, speculative, plain,
         env=env, dry_run=dry_run,
+        deadline=None if deadline_s is None or dry_run else started + deadline_s,
     )  # fmt: skip
     gib = checkpoint_routed.expert_bytes(spec) / 2**30
     if dry_run:

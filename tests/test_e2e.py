@@ -389,6 +389,62 @@ def test_runner_records_plan_servers_and_runs_and_resumes(tmp_path: Path) -> Non
 
 
 @pytest.mark.usefixtures("fake")
+def test_a_deadline_skips_the_decode_bench_that_cannot_finish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    runner = _tiny_runner(out, arms=("pool",))
+    # The fake bench streams a token every 9.5 ms: 100,000 tokens take at least 950 s.
+    measure = dataclasses.replace(runner.profile.measure, decode_output_len=100_001)
+    runner.profile = dataclasses.replace(runner.profile, measure=measure)
+    runner.deadline = runner.clock() + 300
+    runner.run()
+    assert (out / "ttft-skewed-pool-in100.json").exists()
+    assert not (out / "decode-skewed-pool-c1.json").exists()
+    assert e2e.summarize(out)["not_measured"] == ["decode-skewed-pool-c1"]
+    assert "decode-skewed-pool-c1: skipped, it needs at least 950 s" in capsys.readouterr().err
+    assert len(runner.startups) == 1
+    # The same run with time to spare measures it (the bound is not a guess that skips
+    # what fits).
+    runner.deadline = runner.clock() + 1000
+    runner.run()
+    assert (out / "decode-skewed-pool-c1.json").exists()
+
+
+@pytest.mark.usefixtures("fake")
+def test_a_deadline_skips_a_server_start_faster_than_any_seen(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    runner = _tiny_runner(out)
+    runner.startups = [50.0]  # an earlier start of this run took 50 s
+    runner.deadline = runner.clock() + 10
+    assert [p.name for p in runner.run() if not p.name.startswith("plan-")] == []
+    err = capsys.readouterr().err
+    assert "skewed/resident server: skipped, it needs at least 50 s" in err
+    assert "skewed/pool server: skipped" in err
+    assert not list(out.glob("server-*.json"))
+    assert e2e.summarize(out)["not_measured"] == [
+        "decode-skewed-pool-c1", "decode-skewed-resident-c1", "server-skewed-pool",
+        "server-skewed-resident", "ttft-skewed-pool-in100", "ttft-skewed-resident-in100",
+    ]  # fmt: skip
+
+
+def test_warmup_step_reads_the_median_itl(tmp_path: Path) -> None:
+    path = tmp_path / "w.json"
+    assert e2e.warmup_step_s(path) == 0.0  # no result: no bound
+    path.write_text(json.dumps({"median_itl_ms": 522.4, "median_tpot_ms": 524.4}))
+    assert e2e.warmup_step_s(path) == pytest.approx(0.5224)
+    path.write_text(json.dumps({"median_tpot_ms": 9.5}))
+    assert e2e.warmup_step_s(path) == pytest.approx(0.0095)
+
+
+def test_a_deadline_must_be_positive() -> None:
+    with pytest.raises(e2e.HarnessError, match="--deadline-s must be a positive"):
+        e2e.main("glm-shape-h200", Path("/nonexistent"), python=Path("py"), deadline_s=0)
+
+
+@pytest.mark.usefixtures("fake")
 def test_a_server_that_does_not_start_is_a_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
