@@ -36,11 +36,12 @@ def _harness(session: nox.Session, *args: str) -> None:
 
 @nox.session(python=PYTHON)
 def harness(session: nox.Session) -> None:
-    """The harness's own tests (fast, offline) plus ruff and mypy on it."""
+    """The harness's own tests (fast, offline) plus ruff (lint and format) and mypy on it."""
     # matplotlib: harness.replay's plots; pip: the device runner installs the
     # carried wheels with it, as it does on a GPU host.
     session.install("pytest", "ruff", "mypy", "matplotlib", "pip", "numpy")
     session.run("ruff", "check", "harness", "tests", "noxfile.py", "scripts")
+    session.run("ruff", "format", "--check", "harness", "tests", "noxfile.py", "scripts")
     session.run("mypy", "harness")
     session.run("pytest", "-q", "tests", *session.posargs)
 

@@ -18,13 +18,30 @@ import zipfile
 MEMBER = "flashinfer/fused_moe/cute_dsl/b12x_moe.py"
 # What the patched vLLM passes (B12xWrapperKey.wrapper_kwargs() and apply()).
 INIT_KWARGS = {
-    "num_experts", "top_k", "hidden_size", "intermediate_size", "max_num_tokens",
-    "num_local_experts", "output_dtype", "device", "activation", "quant_mode",
-    "source_format", "use_cuda_graph",
+    "num_experts",
+    "top_k",
+    "hidden_size",
+    "intermediate_size",
+    "max_num_tokens",
+    "num_local_experts",
+    "output_dtype",
+    "device",
+    "activation",
+    "quant_mode",
+    "source_format",
+    "use_cuda_graph",
 }
 RUN_KWARGS = {
-    "x", "w1_weight", "w1_weight_sf", "w1_alpha", "fc2_input_scale", "w2_weight",
-    "w2_weight_sf", "w2_alpha", "token_selected_experts", "token_final_scales",
+    "x",
+    "w1_weight",
+    "w1_weight_sf",
+    "w1_alpha",
+    "fc2_input_scale",
+    "w2_weight",
+    "w2_weight_sf",
+    "w2_alpha",
+    "token_selected_experts",
+    "token_final_scales",
     "input_global_scale",
 }
 
@@ -44,8 +61,14 @@ def check(wheel: str) -> bool:
         except KeyError:
             print(f"{wheel}: no {MEMBER}")
             return False
-    cls = next((n for n in ast.walk(ast.parse(src))
-                if isinstance(n, ast.ClassDef) and n.name == "B12xMoEWrapper"), None)
+    cls = next(
+        (
+            n
+            for n in ast.walk(ast.parse(src))
+            if isinstance(n, ast.ClassDef) and n.name == "B12xMoEWrapper"
+        ),
+        None,
+    )
     if cls is None:
         print(f"{wheel}: no B12xMoEWrapper")
         return False
@@ -55,9 +78,11 @@ def check(wheel: str) -> bool:
         accepted, required = params(methods[name])
         unknown, missing = passed - accepted, required - passed
         ok &= not unknown and not missing
-        print(f"{wheel}: {name}: unknown {sorted(unknown) or 'none'}, "
-              f"missing {sorted(missing) or 'none'}, "
-              f"not passed {sorted(accepted - passed)}")
+        print(
+            f"{wheel}: {name}: unknown {sorted(unknown) or 'none'}, "
+            f"missing {sorted(missing) or 'none'}, "
+            f"not passed {sorted(accepted - passed)}"
+        )
     print(f"{wheel}: {'OK' if ok else 'MISMATCH'}")
     return ok
 

@@ -64,12 +64,16 @@ def mutations() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
                 f"`{name}` dropped from the key (`field(compare=False)`)",
                 MODULE,
                 [
-                    ("from dataclasses import dataclass, fields",
-                     "from dataclasses import dataclass, field, fields"),
+                    (
+                        "from dataclasses import dataclass, fields",
+                        "from dataclasses import dataclass, field, fields",
+                    ),
                     (f"\n    {name}: {typ}\n", f"\n    {name}: {typ} = field(compare=False)\n"),
                 ],
             )
         )
+    # One mutation per entry, kept on as few lines as it takes to read.
+    # fmt: off
     rows += [
         ("K12", "owner dropped from the key (one registry for all configs)", MODULE,
          [("        owner_id = id(owner)\n", "        owner_id = 0\n")]),
@@ -123,6 +127,7 @@ def mutations() -> list[tuple[str, str, str, list[tuple[str, str]]]]:
           ("_B12X_WRAPPERS = _B12xWrapperRegistry()\n",
            "_B12X_WRAPPERS = _B12xWrapperRegistry()\n_KEEP: list = []\n")]),
     ]
+    # fmt: on
     return rows
 
 
@@ -189,16 +194,25 @@ def main() -> int:
     parser.add_argument("--overlay", default=None, help="scratch dir (same filesystem as the venv)")
     parser.add_argument("--only", default="", help="comma-separated mutation ids")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--all-failures", action="store_true",
-                        help="with --in-process: run every test, list every failure")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run all mutations in one interpreter (faster)")
+    parser.add_argument(
+        "--all-failures",
+        action="store_true",
+        help="with --in-process: run every test, list every failure",
+    )
+    parser.add_argument(
+        "--in-process", action="store_true", help="run all mutations in one interpreter (faster)"
+    )
     args = parser.parse_args()
 
     python = Path(args.python).absolute()
-    site = Path(subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     tree = Path(args.tree).absolute()
     overlay = Path(args.overlay or python.parent.parent.parent / "mutation-overlay").absolute()
     if overlay.exists():
@@ -223,35 +237,55 @@ def main() -> int:
             "-c",
             "import vllm.model_executor.layers.fused_moe.utils as m; print(m.__file__)",
         ],
-        cwd=rundir, env=env, check=True, capture_output=True, text=True).stdout.strip()
+        cwd=rundir,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     if not probe.startswith(str(overlay)):
         raise SystemExit(f"vllm resolves to {probe}, not to the overlay")
     only = set(filter(None, args.only.split(",")))
     rows = []
     if args.in_process:
         plan = dict(
-            utils=UTILS, module=MODULE, tests=TESTS, stop_at_first=not args.all_failures,
-            mutations=[(mid, rel, edits) for mid, _, rel, edits in mutations()
-                       if not only or mid in only],
+            utils=UTILS,
+            module=MODULE,
+            tests=TESTS,
+            stop_at_first=not args.all_failures,
+            mutations=[
+                (mid, rel, edits) for mid, _, rel, edits in mutations() if not only or mid in only
+            ],
         )
         plan_file = overlay / "plan.json"
         plan_file.write_text(json.dumps(plan))
         what = {mid: (w, rel) for mid, w, rel, _ in mutations()}
         proc = subprocess.Popen(
-            [str(python), "-c", CHILD, str(plan_file)], cwd=rundir, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [str(python), "-c", CHILD, str(plan_file)],
+            cwd=rundir,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         assert proc.stdout is not None
         for line in proc.stdout:
             if not line.startswith("MUTATION "):
                 continue
-            result = json.loads(line[len("MUTATION "):])
-            caught = (", ".join(f.split("::", 1)[-1] for f in result["failed"])
-                      if result["failed"]
-                      else "survived" if result["rc"] == 0
-                      else f"pytest exit {result['rc']}")
-            row = dict(id=result["id"], mutation=what[result["id"]][0],
-                       file=what[result["id"]][1], caught_by=caught)
+            result = json.loads(line[len("MUTATION ") :])
+            caught = (
+                ", ".join(f.split("::", 1)[-1] for f in result["failed"])
+                if result["failed"]
+                else "survived"
+                if result["rc"] == 0
+                else f"pytest exit {result['rc']}"
+            )
+            row = dict(
+                id=result["id"],
+                mutation=what[result["id"]][0],
+                file=what[result["id"]][1],
+                caught_by=caught,
+            )
             rows.append(row)
             print(f"| {row['id']} | {row['mutation']} | `{caught}` |", flush=True)
         proc.wait()
@@ -269,7 +303,11 @@ def main() -> int:
         start = time.monotonic()
         proc = subprocess.run(
             [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-x", "-q", *TESTS],
-            cwd=rundir, env=env, capture_output=True, text=True, check=False,
+            cwd=rundir,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         target.write_text(original)
         caught = first_failure(proc.stdout + proc.stderr)
@@ -277,8 +315,13 @@ def main() -> int:
             caught = "survived"
         elif not caught:
             caught = f"pytest exit {proc.returncode} (collection error)"
-        row = dict(id=mid, mutation=what, file=rel, caught_by=caught,
-                   seconds=round(time.monotonic() - start, 1))
+        row = dict(
+            id=mid,
+            mutation=what,
+            file=rel,
+            caught_by=caught,
+            seconds=round(time.monotonic() - start, 1),
+        )
         rows.append(row)
         print(f"| {mid} | {what} | `{caught}` |", flush=True)
     shutil.rmtree(overlay)
@@ -288,10 +331,16 @@ def main() -> int:
         data = {"tests": TESTS, "in_process": args.in_process, "rows": rows}
         tests_torch = subprocess.run(
             [str(python), "-c", "import torch; print(torch.__version__)"],
-            capture_output=True, text=True, check=False).stdout.strip()
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
         prov = results.provenance(
-            [Path(sys.executable).name, *sys.argv], tree=str(tree), device="cpu",
-            tests_python=str(python), tests_torch=tests_torch or "unknown",
+            [Path(sys.executable).name, *sys.argv],
+            tree=str(tree),
+            device="cpu",
+            tests_python=str(python),
+            tests_torch=tests_torch or "unknown",
         )
         results.write(Path(args.out), "b12x-mutations", data, prov)
     survived = [r for r in rows if r["caught_by"] == "survived" and r["id"] != "B0"]
