@@ -389,11 +389,12 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "--deadline-s",
         type=float,
         metavar="SECONDS",
-        help="end within SECONDS of the start: a server start or decode bench that cannot "
+        help="time the run has, from its start: a server start or decode bench that cannot "
         "finish in the time left is skipped and named in the log (a server needs the "
-        "fastest start seen in this run; a decode bench at least the server's warm-up "
-        "inter-token latency x its output tokens), and summary.json is written; set it a "
-        "little under a time limit that would cut the run (device_run.py --replay-timeout)",
+        "fastest successful start of this run; a decode bench 0.9 x the median inter-token "
+        "latency of the server's earlier benches at as many requests or fewer x its output "
+        "tokens), and summary.json is written, also when a time limit interrupts the run; "
+        "set it a little under that limit (device_run.py --replay-timeout)",
     )
     e.add_argument(
         "--summarize",

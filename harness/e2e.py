@@ -292,9 +292,10 @@ class Runner:
     def fits(self, what: str, need_s: float) -> bool:
         """Whether ``what``, which takes at least ``need_s`` seconds, can end before the
         deadline; when it cannot, says so (the run then skips it, and :func:`summarize`
-        lists its results as not measured). A decode bench's ``need_s`` is a lower
-        bound, so no bench that could have finished is skipped; a server's is the
-        fastest start seen in this run (a start from a cold page cache is the slowest)."""
+        lists its results as not measured). A decode bench's ``need_s`` comes from this
+        server's earlier benches (:func:`step_bound_s`), below what they measured; a
+        server's is the fastest successful start in this run (a start from a cold page
+        cache is the slowest)."""
         if self.deadline is None:
             return True
         left = self.deadline - self.clock()
@@ -399,7 +400,8 @@ class Runner:
         with server:
             state = server.wait_healthy(self.profile.startup_timeout_s)
             startup_s = round(self.clock() - started, 1)
-            self.startups.append(startup_s)
+            if state == "ok":
+                self.startups.append(startup_s)
             text = server.log.read_text(errors="replace") if server.log.exists() else ""
             record = {
                 **common,
@@ -416,22 +418,26 @@ class Runner:
             if state != "ok":
                 progress(f"{tag}: server did not start ({state}); next arm")
                 return
-            # The warm-up's median time between streamed outputs bounds a decode step from
-            # below (its one greedy request routes to the fewest experts); a speculative
-            # step streams at most 1 + k tokens.
-            step_s = 0.0
+            # Lower bounds of this server's decode step, by the concurrency they were
+            # measured at (0: the warm-up's one greedy request, which routes to the
+            # fewest experts): a step at c requests is no faster than one at fewer
+            # (:func:`step_bound_s`). A speculative step streams at most 1 + k tokens.
+            steps: dict[int, float] = {}
             per_step = 1 + self.profile.measure.spec_tokens if speculative else 1
             for kind, run in runs:
                 done = self.out / run.result_file
                 if kind != "warmup" and done.exists():
                     progress(f"{done.name} exists; not measured again")
                     continue
-                need = step_s * (run.output_len - 1) / per_step if kind == "decode" else 0.0
+                need = 0.0
+                if kind == "decode":
+                    step = max((v for c, v in steps.items() if c <= run.concurrency), default=0)
+                    need = step * (run.output_len - 1) / per_step
                 if not self.fits(run.result_file.removesuffix(".json"), need):
                     continue
-                self._bench(kind, run, router, server, common)
-                if kind == "warmup":
-                    step_s = warmup_step_s(run.result_dir / run.result_file)
+                bench = self._bench(kind, run, router, server, common)
+                if kind != "ttft":
+                    steps[run.concurrency if kind == "decode" else 0] = step_bound_s(bench)
 
     def _bench(
         self,
@@ -440,7 +446,9 @@ class Runner:
         router: str,
         server: replay.Server,
         common: Mapping[str, Any],
-    ) -> None:
+    ) -> dict[str, Any]:
+        """Runs one bench and records it (not the warm-up); returns ``vllm bench serve``'s
+        result, or ``{}`` when it failed."""
         argv = replay.bench_argv(self.vllm, self.models[router], server.port, run)
         sampler = replay.NvmlSampler(self.nvml, self.sample_interval_s) if self.nvml else None
         if sampler:
@@ -462,10 +470,10 @@ class Runner:
         finally:
             replay.stop_group(proc)
             samples = sampler.stop() if sampler else []
-        if kind == "warmup":
-            return
         path = run.result_dir / run.result_file
         bench = json.loads(path.read_text()) if code == 0 and path.exists() else {}
+        if kind == "warmup":
+            return bench
         ok = code == 0 and bench.get("completed") == run.prompts and not bench.get("failed")
         data = {
             **common,
@@ -507,6 +515,7 @@ class Runner:
                 data["spec_decode"] = replay.spec_decode_delta(spec_before, after)
         name = run.result_file.removesuffix(".json")
         self._record(name, f"e2e-{kind}", data, server.argv, argv)
+        return bench
 
     def _record(
         self,
@@ -526,15 +535,23 @@ class Runner:
         progress(f"wrote {path}")
 
 
-def warmup_step_s(path: Path) -> float:
-    """The median time between streamed outputs of a warm-up bench result, in seconds
-    (its median TPOT where the result has no ITL); 0 when there is none."""
-    try:
-        bench = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return 0.0
+#: The share of an earlier bench's median inter-token latency that :func:`step_bound_s`
+#: counts per decode step of a later one. A bench of n tokens lasts its process start-up,
+#: its first token and n - 1 mean ITLs. In results/e2e a later bench's mean ITL was
+#: 0.99-1.02x the earlier median where a step took about 0.5 s (the prefetch
+#: offloader), and down to 0.74x where it took 5-7 ms (a warm-up's 2048-token context
+#: against 128, accepted ngram drafts), where the whole bound is about a second, less
+#: than a bench's own start-up.
+STEP_BOUND_SHARE = 0.9
+
+
+def step_bound_s(bench: Mapping[str, Any]) -> float:
+    """A lower bound of one decode step of a later bench at as many requests or more, in
+    seconds, from a ``vllm bench serve`` result: :data:`STEP_BOUND_SHARE` of its median
+    time between streamed outputs (of its median TPOT where it has no ITL); 0 when it
+    has neither."""
     ms = bench.get("median_itl_ms") or bench.get("median_tpot_ms") or 0.0
-    return float(ms) / 1000
+    return STEP_BOUND_SHARE * float(ms) / 1000
 
 
 def pool_counters(
@@ -962,7 +979,15 @@ def main(
         return record
 
     runner.provenance = prov
-    runner.run()
+    try:
+        runner.run()
+    finally:  # a run stopped by a time limit (SIGINT) still leaves its summary
+        _write_run_summary(out)
+    return 0
+
+
+def _write_run_summary(out: Path) -> None:
+    """``summary.json`` and the plots of one run folder."""
     summary = summarize(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     try:
@@ -971,4 +996,3 @@ def main(
     except ImportError:
         progress("no matplotlib here: summary.json is written, plots are not")
     print(out / "summary.json")
-    return 0

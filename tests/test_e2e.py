@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_replay import fake  # noqa: F401 (the fake `vllm` CLI fixture)
@@ -388,27 +389,63 @@ def test_runner_records_plan_servers_and_runs_and_resumes(tmp_path: Path) -> Non
     assert (Path(os.environ["FAKE_VLLM_DIR"]) / "bench.jsonl").read_text().count("\n") == benches
 
 
+def _with_measure(runner: e2e.Runner, **changes: Any) -> e2e.Runner:
+    measure = dataclasses.replace(runner.profile.measure, **changes)
+    runner.profile = dataclasses.replace(runner.profile, measure=measure)
+    return runner
+
+
 @pytest.mark.usefixtures("fake")
 def test_a_deadline_skips_the_decode_bench_that_cannot_finish(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    runner = _tiny_runner(out, arms=("pool",))
-    # The fake bench streams a token every 9.5 ms: 100,000 tokens take at least 950 s.
-    measure = dataclasses.replace(runner.profile.measure, decode_output_len=100_001)
-    runner.profile = dataclasses.replace(runner.profile, measure=measure)
+    # The fake's warm-up streams an output every 9 ms: 100,000 more tokens need at
+    # least 0.9 x 9 ms x 100,000 = 810 s.
+    runner = _with_measure(_tiny_runner(out, arms=("pool",)), decode_output_len=100_001)
     runner.deadline = runner.clock() + 300
     runner.run()
     assert (out / "ttft-skewed-pool-in100.json").exists()
     assert not (out / "decode-skewed-pool-c1.json").exists()
     assert e2e.summarize(out)["not_measured"] == ["decode-skewed-pool-c1"]
-    assert "decode-skewed-pool-c1: skipped, it needs at least 950 s" in capsys.readouterr().err
+    assert "decode-skewed-pool-c1: skipped, it needs at least 810 s" in capsys.readouterr().err
     assert len(runner.startups) == 1
-    # The same run with time to spare measures it (the bound is not a guess that skips
-    # what fits).
+    # With time to spare the same bench runs.
     runner.deadline = runner.clock() + 1000
     runner.run()
     assert (out / "decode-skewed-pool-c1.json").exists()
+
+
+@pytest.mark.usefixtures("fake")
+def test_a_decode_bench_is_bounded_by_the_earlier_ones_at_fewer_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The fake's step is 9 ms x requests; each bench has 10,000 steps after the first.
+    up = _with_measure(_tiny_runner(tmp_path / "up", arms=("pool",)),
+                       decode_output_len=10_001, decode_concurrency=(4, 16))  # fmt: skip
+    up.deadline = up.clock() + 100
+    up.run()
+    # c=4 needs the warm-up's 81 s; c=16 the c=4 bench's 0.9 x 36 ms x 10,000 = 324 s.
+    assert (tmp_path / "up/decode-skewed-pool-c4.json").exists()
+    assert "decode-skewed-pool-c16: skipped, it needs at least 324 s" in capsys.readouterr().err
+    # A bench at more requests does not bound one at fewer.
+    down = _with_measure(_tiny_runner(tmp_path / "down", arms=("pool",)),
+                         decode_output_len=10_001, decode_concurrency=(16, 4))  # fmt: skip
+    down.deadline = down.clock() + 100
+    down.run()
+    assert (tmp_path / "down/decode-skewed-pool-c16.json").exists()
+    assert (tmp_path / "down/decode-skewed-pool-c4.json").exists()
+
+
+@pytest.mark.usefixtures("fake")
+def test_a_speculative_step_may_stream_one_plus_k_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    runner = _with_measure(_tiny_runner(out, arms=("pool",)), decode_output_len=100_001,
+                           spec_concurrency=(1,))  # fmt: skip
+    runner.speculative, runner.plain = True, False
+    runner.deadline = runner.clock() + 300  # 810 s / (1 + 3 tokens) = 202.5 s fits
+    runner.run()
+    assert (out / "decode-skewed-pool-ngram-c1.json").exists()
 
 
 @pytest.mark.usefixtures("fake")
@@ -417,8 +454,8 @@ def test_a_deadline_skips_a_server_start_faster_than_any_seen(
 ) -> None:
     out = tmp_path / "out"
     runner = _tiny_runner(out)
-    runner.startups = [50.0]  # an earlier start of this run took 50 s
-    runner.deadline = runner.clock() + 10
+    runner.startups = [80.0, 50.0]  # earlier starts of this run took 80 and 50 s
+    runner.deadline = runner.clock() + 40
     assert [p.name for p in runner.run() if not p.name.startswith("plan-")] == []
     err = capsys.readouterr().err
     assert "skewed/resident server: skipped, it needs at least 50 s" in err
@@ -428,20 +465,56 @@ def test_a_deadline_skips_a_server_start_faster_than_any_seen(
         "decode-skewed-pool-c1", "decode-skewed-resident-c1", "server-skewed-pool",
         "server-skewed-resident", "ttft-skewed-pool-in100", "ttft-skewed-resident-in100",
     ]  # fmt: skip
+    # 60 s left: the fastest start fits, so the servers start.
+    runner.deadline = runner.clock() + 60
+    runner.run()
+    assert {p.name for p in out.glob("server-*.json")} == {
+        "server-skewed-pool.json", "server-skewed-resident.json",
+    }  # fmt: skip
 
 
-def test_warmup_step_reads_the_median_itl(tmp_path: Path) -> None:
-    path = tmp_path / "w.json"
-    assert e2e.warmup_step_s(path) == 0.0  # no result: no bound
-    path.write_text(json.dumps({"median_itl_ms": 522.4, "median_tpot_ms": 524.4}))
-    assert e2e.warmup_step_s(path) == pytest.approx(0.5224)
-    path.write_text(json.dumps({"median_tpot_ms": 9.5}))
-    assert e2e.warmup_step_s(path) == pytest.approx(0.0095)
+@pytest.mark.usefixtures("fake")
+def test_a_server_that_does_not_start_is_not_a_start_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_MODE", "crash")
+    runner = _tiny_runner(tmp_path / "out", arms=("pool",))
+    runner.run()
+    assert runner.startups == []
+
+
+def test_step_bound_is_nine_tenths_of_the_median_itl() -> None:
+    assert e2e.step_bound_s({}) == 0.0  # no result: no bound
+    bench = {"median_itl_ms": 522.4, "median_tpot_ms": 524.4}
+    assert e2e.step_bound_s(bench) == pytest.approx(0.9 * 0.5224)
+    assert e2e.step_bound_s({"median_tpot_ms": 9.5}) == pytest.approx(0.9 * 0.0095)
 
 
 def test_a_deadline_must_be_positive() -> None:
     with pytest.raises(e2e.HarnessError, match="--deadline-s must be a positive"):
         e2e.main("glm-shape-h200", Path("/nonexistent"), python=Path("py"), deadline_s=0)
+
+
+def test_main_hands_the_deadline_to_the_runner_and_writes_the_summary_when_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[float | None] = []
+
+    def cut(self: e2e.Runner) -> list[Path]:
+        seen.append(None if self.deadline is None else self.deadline - self.clock())
+        raise KeyboardInterrupt  # what device_run's time limit sends
+
+    monkeypatch.setattr(e2e.checkpoint_routed, "write", lambda *a, **k: None)
+    monkeypatch.setattr(e2e.replay, "load_nvml", lambda: None)
+    monkeypatch.setattr(e2e.replay, "server_versions", lambda _: dict.fromkeys(
+        ("torch", "cuda", "vllm"), "test"))  # fmt: skip
+    monkeypatch.setattr(e2e.Runner, "run", cut)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main("glm-shape-h200", out, python=Path("py"), deadline_s=540)
+    assert seen and seen[0] is not None and 530 < seen[0] <= 540
+    assert json.loads((out / "summary.json").read_text())["decode"] == []
 
 
 @pytest.mark.usefixtures("fake")

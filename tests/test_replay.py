@@ -99,6 +99,8 @@ elif sys.argv[1:3] == ["bench", "serve"]:
         "errors": ["Traceback: ConnectionRefusedError"] if failed else [""],
         "mean_ttft_ms": ttft_ms, "median_ttft_ms": ttft_ms, "p99_ttft_ms": ttft_ms,
         "mean_tpot_ms": 9.5, "median_tpot_ms": 9.5,
+        # A step per streamed output, longer with more requests at once.
+        "median_itl_ms": 9.0 * int(opt("--max-concurrency")),
         "ttfts": [ttft_ms / 1000], "output_lens": [n_out], "input_lens": [n_in],
         "start_times": [time.perf_counter() - 0.25], "latencies": [0.2],
         "spec_decode_acceptance_rate": 61.0, "spec_decode_acceptance_length": 2.84,
