@@ -626,10 +626,13 @@ def pool_metrics(
 def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str, Any]:
     """What a server really keeps of the experts on the GPU, from its own log lines.
 
-    vLLM's "Model loading took X GiB" covers every weight (and the pool's bank,
-    which is allocated during loading); minus the non-expert weights it is the
-    expert bytes on the GPU. Staging (the pool's per-step rows and prefill
-    buffers, the prefetch offloader's static buffers) is counted apart, so that
+    vLLM's "Model loading took X GiB" covers every weight (and the pool's bank
+    and prefill buffers, which are allocated during loading); minus the
+    non-expert weights it is the expert bytes on the GPU. The prefetch
+    offloader allocates its static buffers after that line (it logs them on the
+    next one, and its resident layers alone make up the loading figure), so
+    they are added. Staging (the pool's per-step rows and prefill buffers, the
+    prefetch offloader's static buffers) is counted apart, so that
     ``cache_gib`` compares with the budget: ``holds_budget`` is within 2%.
     """
     facts = data["facts"]
@@ -645,7 +648,9 @@ def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str
         staging += (facts.get("pool_staging_buffers") or [0])[0] * (
             facts.get("pool_staging_buffer_gib") or [0]
         )[0]
-    staging += (facts.get("prefetch_buffer_gb") or [0])[0] * 1e9 / 2**30
+    prefetch_buffers = (facts.get("prefetch_buffer_gb") or [0])[0] * 1e9 / 2**30
+    on_gpu += prefetch_buffers
+    staging += prefetch_buffers
     budget_gib = data["budget"]["fraction"] * checkpoint_routed.expert_bytes(spec) / 2**30
     cache = on_gpu - staging
     holds = None if data["offload"] == "none" else abs(cache - budget_gib) <= 0.02 * budget_gib
@@ -792,15 +797,121 @@ def summarize_runs(folders: Sequence[Path]) -> dict[str, Any]:
 
 
 def write_summary(root: Path) -> list[Path]:
-    """``root/summary.json`` and its plots over every run folder under ``root`` (a folder
-    with server records), oldest name first; returns the files written."""
+    """``root/summary.json``, ``root/matrix.md`` and the plots over every run folder under
+    ``root`` (a folder with server records), oldest name first; returns the files written."""
     folders = sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("server-*.json")))
     if not folders:
         raise HarnessError(f"no e2e run folders under {root}")
     summary = summarize_runs(folders)
     path = root / "summary.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
-    return [path, *plot(summary, root)]
+    table = root / "matrix.md"
+    table.write_text(matrix_markdown(summary))
+    return [path, table, *plot(summary, root)]
+
+
+def _run_label(run: str) -> str:
+    """``run 9`` for ``2026-12-01-run9-skewed-...``; the name after the date otherwise."""
+    if m := re.search(r"-run(\d+)-", run):
+        return f"run {m.group(1)}"
+    return re.sub(r"^\d{4}-\d{2}-\d{2}-", "", run)
+
+
+def _sig3(value: float) -> str:
+    """Three significant digits, trailing zeros kept (1.90, 51.6, 239)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:#.3g}"
+
+
+def _newest(
+    rows: Sequence[tuple[Any, Mapping[str, Any]]], runs: Mapping[str, Any]
+) -> dict[Any, Mapping[str, Any]]:
+    """The newest row (by its run's date) of each key of ``(key, row)`` pairs."""
+    out: dict[Any, Mapping[str, Any]] = {}
+    for key, row in sorted(rows, key=lambda kr: runs.get(kr[1]["run"], {}).get("date", "")):
+        out[key] = row
+    return out
+
+
+def matrix_markdown(summary: Mapping[str, Any]) -> str:
+    """Every arm's newest measurement per router, prompt length and concurrency, and what
+    its server kept on the GPU, as markdown tables (``results/e2e/matrix.md``): what a
+    reader choosing an offload flag compares. Greedy decode runs (temperature 0) are
+    left out: their repeated tokens make requests share experts (results/e2e/README.md)."""
+    runs = summary.get("runs", {})
+    servers = _newest(
+        [((r["arm"],), r) for r in summary["servers"]
+         if not r["spec_tokens"] and r["expert_gib_on_gpu"] is not None],
+        runs,
+    )  # fmt: skip
+    ttft = _newest(
+        [((r["router"], r["arm"], r["input_len"]), r) for r in summary["ttft"]
+         if r["ttft_s"] is not None],
+        runs,
+    )  # fmt: skip
+    decode = _newest(
+        [((r["router"], r["arm"], r["spec_tokens"], r["concurrency"]), r)
+         for r in summary["decode"] if r["tok_s"] is not None and r.get("temperature")],
+        runs,
+    )  # fmt: skip
+    lens = sorted({k[2] for k in ttft})
+    widths = sorted({k[3] for k in decode})
+
+    def cell(row: Mapping[str, Any] | None, key: str) -> str:
+        if row is None:
+            return "-"
+        return f"{_sig3(row[key])} ({_run_label(row['run'])}, `{row['series_hash']}`)"
+
+    def table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+        return [
+            "| " + " | ".join(head) + " |",
+            "|" + " --- |" * len(head),
+            *("| " + " | ".join(row) + " |" for row in rows),
+        ]
+
+    def held(r: Mapping[str, Any]) -> str:
+        if r["holds_budget"] is None:
+            return "reference"
+        off = r["cache_gib"] / r["budget_gib"] - 1
+        return f"{'yes' if r['holds_budget'] else 'no'}: {r['cache_gib']:.2f} GiB ({off:+.1%})"
+
+    kept = [
+        [arm, f"{r['expert_gib_on_gpu']:.2f} GiB", f"{r['staging_gib']:.2f} GiB", held(r)]
+        for (arm,), r in servers.items()
+    ]
+    ttft_rows = [
+        [router, arm, *(cell(ttft.get((router, arm, n)), "ttft_s") for n in lens)]
+        for router, arm in dict.fromkeys(k[:2] for k in sorted(ttft))
+    ]
+    decode_rows = [
+        [router, arm + (f", ngram {spec}" if spec else ""),
+         *(cell(decode.get((router, arm, spec, c)), "tok_s") for c in widths)]
+        for router, arm, spec in dict.fromkeys(k[:3] for k in sorted(decode))
+    ]  # fmt: skip
+    budget = f"{summary.get('budget_fraction') or 0:.0%}, {summary.get('budget_gib') or 0:.2f}"
+    return "\n".join([
+        "# The end-to-end matrix: each arm's newest measurement",
+        "",
+        "Written by `python -m harness replay e2e --summarize results/e2e` from",
+        "`summary.json`; each cell names its run folder and series hash. Cells of",
+        "different runs come from different machine starts or series: README.md says",
+        "which share a machine start, and only those give side-by-side ratios.",
+        "",
+        "## What each arm's server kept on the GPU (vLLM's log)",
+        "",
+        f"Budget: {budget} GiB of the expert bytes; an arm holds it when what it keeps",
+        "besides its staging rows and buffers is within 2% of it.",
+        "",
+        *table(["arm", "experts on the GPU", "of which staging", "the rest, against the budget"],
+               kept),
+        "",
+        "## TTFT, one request (s)",
+        "",
+        *table(["router", "arm", *(f"{n:,} tokens" for n in lens)], ttft_rows),
+        "",
+        "## Decode, sampled, tok/s per request (1000 / mean TPOT)",
+        "",
+        *table(["router", "arm", *(f"c={c}" for c in widths)], decode_rows),
+    ]) + "\n"  # fmt: skip
 
 
 def _panels(

@@ -329,6 +329,55 @@ def test_unknown_arms_are_refused_with_the_known_ones() -> None:
         e2e.main("glm-shape-h200", Path("/nonexistent"), python=Path("py"), arms=["nope"])
 
 
+def _facts(offload: str, **facts: list[float]) -> dict[str, Any]:
+    return {"offload": offload, "budget": {"fraction": 0.25}, "facts": facts}
+
+
+def test_gpu_expert_bytes_of_each_arm_from_its_log_lines() -> None:
+    spec = checkpoint_routed.PRESETS["glm-shape"]  # 35.44 GiB of experts: budget 8.86 GiB
+    # Run 17's servers: the pool's bank and prefill buffers are in the loading figure.
+    pool = e2e.gpu_expert_bytes(_facts(
+        "pool", model_loading_gib=[12.32], pool_bank_gib=[9.7], pool_rows_per_layer=[32.0],
+        pool_staging_buffers=[2.0], pool_staging_buffer_gib=[0.84]), spec)  # fmt: skip
+    assert pool["staging_gib"] == pytest.approx(2.52, abs=0.01)
+    assert pool["cache_gib"] == pytest.approx(8.92, abs=0.01) and pool["holds_budget"]
+    # The prefetch offloader's buffer comes after the loading line: on top of it.
+    prefetch = e2e.gpu_expert_bytes(_facts(
+        "prefetch", model_loading_gib=[10.21], prefetch_buffer_gb=[0.906]), spec)  # fmt: skip
+    assert prefetch["expert_gib_on_gpu"] == pytest.approx(10.17, abs=0.01)
+    assert prefetch["cache_gib"] == pytest.approx(9.33, abs=0.01)  # 11 of 42 layers
+    assert prefetch["holds_budget"] is False  # 5.3% over, in its favour
+    resident = e2e.gpu_expert_bytes(_facts("none", model_loading_gib=[36.37]), spec)
+    assert resident["holds_budget"] is None
+    assert e2e.gpu_expert_bytes(_facts("uva"), spec)["expert_gib_on_gpu"] is None
+
+
+def test_the_matrix_keeps_each_cells_newest_sampled_value() -> None:
+    runs = {"2026-01-01-run1-a": {"date": "2026-01-01"},
+            "2026-01-02-run2-b": {"date": "2026-01-02"},
+            "2026-01-03-base": {"date": "2026-01-03"}}  # fmt: skip
+    row = {"router": "skewed", "arm": "pool", "spec_tokens": 0, "concurrency": 1}
+    summary = {
+        "runs": runs, "budget_fraction": 0.25, "budget_gib": 8.86, "servers": [],
+        "ttft": [{"run": "2026-01-03-base", "series_hash": "h3", "router": "skewed",
+                  "arm": "resident", "input_len": 12500, "ttft_s": 1.317}],
+        "decode": [
+            {**row, "run": "2026-01-02-run2-b", "series_hash": "h2", "temperature": 1.0,
+             "tok_s": 51.93},
+            {**row, "run": "2026-01-01-run1-a", "series_hash": "h1", "temperature": 1.0,
+             "tok_s": 51.28},
+            {**row, "run": "2026-01-03-base", "series_hash": "h3", "temperature": 0.0,
+             "tok_s": 228.1},  # greedy: left out
+            {**row, "concurrency": 32, "run": "2026-01-01-run1-a", "series_hash": "h1",
+             "temperature": 1.0, "tok_s": 4.0},
+        ],
+    }  # fmt: skip
+    text = e2e.matrix_markdown(summary)
+    assert "| skewed | resident | 1.32 (base, `h3`) |" in text
+    assert "| skewed | pool | 51.9 (run 2, `h2`) | 4.00 (run 1, `h1`) |" in text
+    assert "228" not in text
+
+
 def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need matplotlib")
     root = Path(__file__).resolve().parent.parent
@@ -347,6 +396,7 @@ def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
     cut = {name.split("/")[0] for name in summary["not_measured"]}
     assert measured | cut == {f.name for f in folders}
     assert all(r["series_hash"] for r in summary["decode"] + summary["ttft"])
+    assert (root / "results/e2e/matrix.md").read_text() == e2e.matrix_markdown(summary)
 
 
 # --- the runner, against test_replay's fake `vllm` CLI ----------------------------------------
