@@ -832,27 +832,37 @@ def _newest(
     return out
 
 
+def newest_cells(summary: Mapping[str, Any]) -> dict[str, dict[Any, Mapping[str, Any]]]:
+    """The newest row of each cell of a several-run summary: ``servers`` by arm (plain
+    servers), ``ttft`` by (router, arm, input length) and ``decode`` by (router, arm,
+    spec tokens, concurrency). Greedy decode runs (temperature 0) are left out: their
+    repeated tokens make requests share experts (results/e2e/README.md)."""
+    runs = summary.get("runs", {})
+    return {
+        "servers": _newest(
+            [((r["arm"],), r) for r in summary["servers"]
+             if not r["spec_tokens"] and r["expert_gib_on_gpu"] is not None],
+            runs,
+        ),
+        "ttft": _newest(
+            [((r["router"], r["arm"], r["input_len"]), r) for r in summary["ttft"]
+             if r["ttft_s"] is not None],
+            runs,
+        ),
+        "decode": _newest(
+            [((r["router"], r["arm"], r["spec_tokens"], r["concurrency"]), r)
+             for r in summary["decode"] if r["tok_s"] is not None and r.get("temperature")],
+            runs,
+        ),
+    }  # fmt: skip
+
+
 def matrix_markdown(summary: Mapping[str, Any]) -> str:
     """Every arm's newest measurement per router, prompt length and concurrency, and what
-    its server kept on the GPU, as markdown tables (``results/e2e/matrix.md``): what a
-    reader choosing an offload flag compares. Greedy decode runs (temperature 0) are
-    left out: their repeated tokens make requests share experts (results/e2e/README.md)."""
-    runs = summary.get("runs", {})
-    servers = _newest(
-        [((r["arm"],), r) for r in summary["servers"]
-         if not r["spec_tokens"] and r["expert_gib_on_gpu"] is not None],
-        runs,
-    )  # fmt: skip
-    ttft = _newest(
-        [((r["router"], r["arm"], r["input_len"]), r) for r in summary["ttft"]
-         if r["ttft_s"] is not None],
-        runs,
-    )  # fmt: skip
-    decode = _newest(
-        [((r["router"], r["arm"], r["spec_tokens"], r["concurrency"]), r)
-         for r in summary["decode"] if r["tok_s"] is not None and r.get("temperature")],
-        runs,
-    )  # fmt: skip
+    its server kept on the GPU (:func:`newest_cells`), as markdown tables
+    (``results/e2e/matrix.md``): what a reader choosing an offload flag compares."""
+    cells = newest_cells(summary)
+    servers, ttft, decode = cells["servers"], cells["ttft"], cells["decode"]
     lens = sorted({k[2] for k in ttft})
     widths = sorted({k[3] for k in decode})
 
@@ -937,6 +947,16 @@ def _panels(
     return png
 
 
+#: One colour per arm in every plot, so that panels read alike (others: matplotlib's).
+ARM_COLORS = {
+    "resident": "tab:gray",
+    "pool": "tab:blue",
+    "pool-host-view": "tab:cyan",
+    "uva": "tab:purple",
+    "prefetch": "tab:orange",
+}
+
+
 def _label(row: Mapping[str, Any]) -> str:
     """The arm, with its run and decode sampling where a summary spans several runs."""
     if "run" not in row:
@@ -956,7 +976,8 @@ def _ttft_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
             if hit:
                 xs.append(j + (i - (len(arms) - 1) / 2) * width)
                 ys.append(hit[0])
-        bars = ax.bar(xs, ys, width, label=arm)
+        name = next(r["arm"] for r in rows if _label(r) == arm)
+        bars = ax.bar(xs, ys, width, label=arm, color=ARM_COLORS.get(name))
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks(range(len(lens)), [f"{n:,} tokens" for n in lens])
     ax.set_ylabel("TTFT (s)")
@@ -972,7 +993,9 @@ def _decode_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
         )
         label = arm + (f" + ngram {spec_tokens}" if spec_tokens else "")
         style = "--" if spec_tokens else "-"
-        ax.plot(*zip(*pts, strict=True), marker="o", ls=style, label=label)
+        name = next(r["arm"] for r in rows if _label(r) == arm)
+        ax.plot(*zip(*pts, strict=True), marker="o", ls=style, label=label,
+                color=ARM_COLORS.get(name))  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests")
@@ -981,11 +1004,23 @@ def _decode_panel(ax: Any, router: str, rows: list[Mapping[str, Any]]) -> None:
 
 
 def plot(summary: Mapping[str, Any], folder: Path) -> list[Path]:
-    """``ttft.png`` (TTFT by arm and prompt length) and ``decode.png`` (one panel per router)."""
+    """``ttft.png`` (TTFT by arm and prompt length) and ``decode.png`` (one panel per router).
+
+    A several-run summary draws each arm's newest value per cell (:func:`newest_cells`,
+    the points of ``matrix.md``, which names the run of each); one run draws its rows.
+    """
+    if "runs" in summary:
+        cells = newest_cells(summary)
+        # Without their run, the rows are labelled by arm alone (_label).
+        ttft = [{k: v for k, v in r.items() if k != "run"} for r in cells["ttft"].values()]
+        decode = [{k: v for k, v in r.items() if k != "run"} for r in cells["decode"].values()]
+    else:
+        ttft = [r for r in summary["ttft"] if r["ttft_s"] is not None]
+        decode = [r for r in summary["decode"] if r["tok_s"] is not None]
     written = []
-    if ttft := [r for r in summary["ttft"] if r["ttft_s"] is not None]:
+    if ttft:
         written.append(_panels(ttft, folder / "ttft.png", _ttft_panel))
-    if decode := [r for r in summary["decode"] if r["tok_s"] is not None]:
+    if decode:
         written.append(_panels(decode, folder / "decode.png", _decode_panel))
     return written
 
