@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -352,7 +353,7 @@ def test_gpu_expert_bytes_of_each_arm_from_its_log_lines() -> None:
     assert e2e.gpu_expert_bytes(_facts("uva"), spec)["expert_gib_on_gpu"] is None
 
 
-def test_the_matrix_keeps_each_cells_newest_sampled_value() -> None:
+def _three_run_summary() -> dict[str, Any]:
     runs = {"2026-01-01-run1-a": {"date": "2026-01-01"},
             "2026-01-02-run2-b": {"date": "2026-01-02"},
             "2026-01-03-base": {"date": "2026-01-03"}}  # fmt: skip
@@ -372,10 +373,26 @@ def test_the_matrix_keeps_each_cells_newest_sampled_value() -> None:
              "temperature": 1.0, "tok_s": 4.0},
         ],
     }  # fmt: skip
-    text = e2e.matrix_markdown(summary)
+    return summary
+
+
+def test_the_matrix_keeps_each_cells_newest_sampled_value() -> None:
+    text = e2e.matrix_markdown(_three_run_summary())
     assert "| skewed | resident | 1.32 (base, `h3`) |" in text
     assert "| skewed | pool | 51.9 (run 2, `h2`) | 4.00 (run 1, `h1`) |" in text
     assert "228" not in text
+
+
+def test_plots_of_several_runs_draw_the_matrix_points(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn: dict[str, list[Mapping[str, Any]]] = {}
+    monkeypatch.setattr(e2e, "_panels", lambda rows, png, draw: drawn.setdefault(png.name, rows))
+    e2e.plot(_three_run_summary(), tmp_path)
+    assert sorted((r["concurrency"], r["tok_s"]) for r in drawn["decode.png"]) == [
+        (1, 51.93), (32, 4.0),
+    ]  # fmt: skip
+    assert all(e2e._label(r) == r["arm"] for r in drawn["decode.png"] + drawn["ttft.png"])
 
 
 def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
