@@ -897,6 +897,20 @@ def matrix_markdown(summary: Mapping[str, Any]) -> str:
          *(cell(decode.get((router, arm, spec, c)), "tok_s") for c in widths)]
         for router, arm, spec in dict.fromkeys(k[:3] for k in sorted(decode))
     ]  # fmt: skip
+    pooled = [k for k in dict.fromkeys(k[:3] for k in sorted(decode)) if k[1] == "pool"]
+
+    def counters(row: Mapping[str, Any] | None) -> str:
+        if row is None or row.get("pool_hit_rate") is None:
+            return "-"
+        mib = row.get("pool_mib_per_step")
+        moved = f", {mib / 1024:.2f} GiB per step" if mib is not None else ""
+        return f"{row['pool_hit_rate']:.1%}{moved}"
+
+    pool_rows = [
+        [router, arm + (f", ngram {spec}" if spec else ""),
+         *(counters(decode.get((router, arm, spec, c))) for c in widths)]
+        for router, arm, spec in pooled
+    ]  # fmt: skip
     budget = f"{summary.get('budget_fraction') or 0:.0%}, {summary.get('budget_gib') or 0:.2f}"
     return "\n".join([
         "# The end-to-end matrix: each arm's newest measurement",
@@ -921,6 +935,10 @@ def matrix_markdown(summary: Mapping[str, Any]) -> str:
         "## Decode, sampled, tok/s per request (1000 / mean TPOT)",
         "",
         *table(["router", "arm", *(f"c={c}" for c in widths)], decode_rows),
+        "",
+        "## The pool's counters in those decode runs: hit rate, bytes copied per step",
+        "",
+        *table(["router", "arm", *(f"c={c}" for c in widths)], pool_rows),
     ]) + "\n"  # fmt: skip
 
 

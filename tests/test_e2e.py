@@ -364,7 +364,7 @@ def _three_run_summary() -> dict[str, Any]:
                   "arm": "resident", "input_len": 12500, "ttft_s": 1.317}],
         "decode": [
             {**row, "run": "2026-01-02-run2-b", "series_hash": "h2", "temperature": 1.0,
-             "tok_s": 51.93},
+             "tok_s": 51.93, "pool_hit_rate": 0.7047, "pool_mib_per_step": 657.0},
             {**row, "run": "2026-01-01-run1-a", "series_hash": "h1", "temperature": 1.0,
              "tok_s": 51.28},
             {**row, "run": "2026-01-03-base", "series_hash": "h3", "temperature": 0.0,
@@ -381,6 +381,7 @@ def test_the_matrix_keeps_each_cells_newest_sampled_value() -> None:
     assert "| skewed | resident | 1.32 (base, `h3`) |" in text
     assert "| skewed | pool | 51.9 (run 2, `h2`) | 4.00 (run 1, `h1`) |" in text
     assert "228" not in text
+    assert "| skewed | pool | 70.5%, 0.64 GiB per step | - |" in text  # the pool's counters
 
 
 def test_plots_of_several_runs_draw_the_matrix_points(
