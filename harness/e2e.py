@@ -1030,8 +1030,10 @@ def plot(summary: Mapping[str, Any], folder: Path) -> list[Path]:
     if "runs" in summary:
         cells = newest_cells(summary)
         # Without their run, the rows are labelled by arm alone (_label).
-        ttft = [{k: v for k, v in r.items() if k != "run"} for r in cells["ttft"].values()]
-        decode = [{k: v for k, v in r.items() if k != "run"} for r in cells["decode"].values()]
+        ttft, decode = (
+            [{k: v for k, v in r.items() if k != "run"} for r in cells[kind].values()]
+            for kind in ("ttft", "decode")
+        )
     else:
         ttft = [r for r in summary["ttft"] if r["ttft_s"] is not None]
         decode = [r for r in summary["decode"] if r["tok_s"] is not None]
