@@ -391,10 +391,13 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         metavar="SECONDS",
         help="time the run has, from its start: a server start or decode bench that cannot "
         "finish in the time left is skipped and named in the log (a server needs the "
-        "fastest successful start of this run; a decode bench 0.9 x the median inter-token "
+        "fastest successful start of this run, or the profile's startup_floor_s before "
+        "the first; a decode bench 0.9 x the median inter-token "
         "latency of the server's earlier benches at as many requests or fewer x its output "
         "tokens), and summary.json is written, also when a time limit interrupts the run; "
-        "set it a little under that limit (device_run.py --replay-timeout)",
+        "under device_run.py the run also keeps to the time that device_run.py gives it "
+        "(VLLM_BUNDLE_TIME_LEFT_S, less 15 s to stop its last server), so this is only "
+        "needed for a tighter limit",
     )
     e.add_argument(
         "--summarize",

@@ -36,9 +36,11 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
 4. **replays**: each ``--replay`` command runs under the same environment with
    its output in ``<out>/replay-N.log``; ``VLLM_BUNDLE_OUT`` names ``<out>``
    and ``VLLM_BUNDLE_TREE_COMMIT`` the bundle's vLLM tree commit.
-   ``--time-limit`` bounds the whole run: a replay's timeout is cut to what is
-   left of it, so the last one ends (and ``results.json`` is written) before
-   the device call's own limit.
+   ``--time-limit`` bounds the whole run: every step's timeout is cut to what is
+   left of it less :data:`WRAP_UP_S` (the SIGINT-to-SIGKILL grace and the final
+   write), so a step that is cut still ends, and ``results.json`` is written,
+   within the limit. Each child learns the seconds it has before its SIGINT
+   from ``VLLM_BUNDLE_TIME_LEFT_S`` (``harness replay e2e`` plans by it).
 
 A section passes only when something ran and nothing failed: skipped tests,
 a smoke not run, or no tests collected never count as passing. The exit
@@ -263,6 +265,14 @@ def install(
 
 #: Names the vLLM tree commit of the bundle in the environment of replays.
 BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
+#: Tells each child (smoke, pytest, replay) how many seconds it has before it is
+#: sent SIGINT; ``harness.e2e`` reads it (``tests/test_bundle.py`` checks the name).
+TIME_LEFT_ENV = "VLLM_BUNDLE_TIME_LEFT_S"
+#: Seconds between a cut child's SIGINT and its SIGKILL.
+KILL_GRACE_S = 30.0
+#: What a step keeps back from ``--time-limit``: the kill grace, the output
+#: reader's join and the write of ``results.json``.
+WRAP_UP_S = KILL_GRACE_S + 10.0
 #: The manifest and the joined tar of a wheel group split for several calls
 #: (``harness bundle --wheel-group``; see :func:`join_wheel_parts`).
 PARTS_MANIFEST = "parts.json"
@@ -611,8 +621,25 @@ def _check_extra_library(path: str, namespace: str) -> str:
     return f"{len(ops)} ops: " + ", ".join(o.split("::", 1)[1] for o in ops[:8])
 
 
+def time_left(timeout: float, deadline: float | None) -> float:
+    """A step's timeout: ``timeout``, cut to what is left before ``deadline`` (a
+    ``time.monotonic()`` value) less :data:`WRAP_UP_S`, so that a step cut at its
+    timeout still ends, SIGKILL included, before the deadline. Zero or less: the step
+    has no time left and is not started."""
+    if deadline is None:
+        return timeout
+    return min(timeout, deadline - WRAP_UP_S - time.monotonic())
+
+
+def _not_started(record: dict[str, Any]) -> dict[str, Any]:
+    """The record of a step that the time limit left no time for."""
+    return {**record, "status": TIMED_OUT, "seconds": 0.0, "note": "not started: no time left"}
+
+
 def run_smoke(env: dict[str, str], out: Path, timeout: float) -> dict[str, Any]:
     """Run :func:`smoke` in a child process; return its record."""
+    if timeout <= 0:
+        return _not_started({"exit_code": None, "checks": []})
     result_file = out / ".smoke.json"
     result_file.unlink(missing_ok=True)
     start = time.time()
@@ -689,6 +716,10 @@ def run_pytest(
     timeout: float,
 ) -> dict[str, Any]:
     """Run pytest over ``tests`` from ``<prefix>/tests``; return counts and status."""
+    no_counts: dict[str, Any] = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+    no_counts.update(skipped_tests=[], failed_tests=[])
+    if timeout <= 0:
+        return _not_started({"exit_code": None, **no_counts})
     junit = out / "junit.xml"
     junit.unlink(missing_ok=True)
     cmd = [
@@ -715,15 +746,7 @@ def run_pytest(
     if junit.exists():
         record.update(parse_junit(junit))
     else:
-        record.update(
-            passed=0,
-            failed=0,
-            errors=0,
-            skipped=0,
-            skipped_tests=[],
-            failed_tests=[],
-            note="pytest wrote no JUnit XML",
-        )
+        record.update(no_counts, note="pytest wrote no JUnit XML")
     record["status"] = pytest_status(record, code, timed_out)
     return record
 
@@ -740,16 +763,16 @@ def run_replays(
 ) -> list[dict[str, Any]]:
     """Run each replay (``script.py args``, given to ``python3``) with the bundle's environment.
 
-    Each replay gets ``timeout`` seconds, cut to what is left before ``deadline``
-    (a ``time.monotonic()`` value); one with nothing left is not started and is
+    Each replay gets ``timeout`` seconds, cut by :func:`time_left` to what ``deadline``
+    (a ``time.monotonic()`` value) leaves; one with nothing left is not started and is
     recorded as timed out.
     """
     records = []
     for index, line in enumerate(replays, 1):
-        left = timeout if deadline is None else min(timeout, deadline - time.monotonic())
+        left = time_left(timeout, deadline)
         record: dict[str, Any] = {"command": line, "exit_code": None, "status": TIMED_OUT}
         if left <= 0:
-            records.append({**record, "seconds": 0.0, "note": "not started: no time left"})
+            records.append(_not_started(record))
             continue
         cmd = [sys.executable, *shlex.split(line)]
         start = time.time()
@@ -773,15 +796,16 @@ def _run_logged(
 ) -> tuple[int | None, bool]:
     """Run ``cmd`` with its output to ``log`` and to our stdout; interrupt it at ``timeout``.
 
-    At the limit the child gets SIGINT (pytest then still writes its reports),
-    and SIGKILL 30 s later. Returns ``(exit code, timed out)``.
+    The child finds ``timeout`` in ``VLLM_BUNDLE_TIME_LEFT_S``. At the limit it gets
+    SIGINT (pytest then still writes its reports), and SIGKILL :data:`KILL_GRACE_S`
+    later. Returns ``(exit code, timed out)``.
     """
     print("$ " + shlex.join(cmd), flush=True)
     log.write("$ " + shlex.join(cmd) + "\n")
     log.flush()
     proc = subprocess.Popen(
         cmd,
-        env=env,
+        env={**env, TIME_LEFT_ENV: f"{timeout:.1f}"},
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -807,7 +831,7 @@ def _run_logged(
         log.write(f"\n[device_run] time limit of {timeout:.0f}s reached: SIGINT\n")
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=KILL_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -870,13 +894,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
     if not args.skip_smoke:
-        results["smoke"] = run_smoke(env, out, args.smoke_timeout)
+        results["smoke"] = run_smoke(env, out, time_left(args.smoke_timeout, deadline))
         _write(out, run_provenance, results)
     tests = args.test or provenance["contents"]["tests"]["selected"]
     if tests and not args.skip_tests:
-        results["pytest"] = run_pytest(
-            env, prefix, out, tests, args.k, args.pytest_arg, args.pytest_timeout
-        )
+        timeout = time_left(args.pytest_timeout, deadline)
+        results["pytest"] = run_pytest(env, prefix, out, tests, args.k, args.pytest_arg, timeout)
         _write(out, run_provenance, results)
     results["replays"] = run_replays(env, out, args.replay, args.replay_timeout, deadline)
     _write(out, run_provenance, results)
@@ -981,9 +1004,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="wall-clock budget from the start: each replay's timeout is cut to what is "
-        "left, and a replay with nothing left is not started (recorded as timed out); a "
-        "cut replay gets SIGINT, then SIGKILL 30 s later",
+        help="wall-clock budget from the start, which the run ends within: each step's "
+        f"timeout is cut to what is left less {WRAP_UP_S:.0f} s (a cut step gets SIGINT, "
+        f"then SIGKILL {KILL_GRACE_S:.0f} s later), a step with nothing left is not started "
+        "(recorded as timed out), and each child finds its seconds in "
+        f"{TIME_LEFT_ENV}; for a device call of L seconds, give L less what the command "
+        "does after device_run.py (a tar: 10 s)",
     )
     return parser
 

@@ -37,8 +37,9 @@ staging lines, the offloaders' own lines): :func:`server_facts` records them.
 **An arm that does not start is a result**: its server record says "does not
 run", with the exception from the log and the flags it was given, and the
 other arms go on. A run cut by the time limit leaves every result written
-before it; with a deadline (``--deadline-s``) it does not start what cannot
-finish (:meth:`Runner.fits`) and ends in time to write its summary. Results
+before it; with a deadline (``--deadline-s``, or the time ``device_run.py`` gives
+it: :func:`run_deadline`) it does not start what cannot finish
+(:meth:`Runner.fits`) and ends in time to write its summary. Results
 are one JSON per run (:func:`harness.results.write`); :func:`summarize` folds
 a folder of them into ``summary.json`` and :func:`plot` draws TTFT by arm and
 decode tok/s against concurrency.
@@ -63,6 +64,12 @@ from harness.project import HarnessError, progress
 
 PROFILES = Path(__file__).resolve().parent / "data" / "e2e_profiles.toml"
 OFFLOADS = ("none", "pool", "uva", "prefetch")
+#: The seconds ``device_run.py`` gives a replay before it sends SIGINT (its
+#: ``TIME_LEFT_ENV``; ``tests/test_bundle.py`` checks that the names match).
+TIME_LEFT_ENV = "VLLM_BUNDLE_TIME_LEFT_S"
+#: What a run keeps back from that time to stop its last server (vLLM's shutdown
+#: on SIGTERM) and write its summary.
+WIND_DOWN_S = 15.0
 
 #: Lines of a server log that say what each arm holds where.
 FACTS = {
@@ -129,10 +136,20 @@ class Profile:
     measure: Measure
     startup_timeout_s: float = 600.0
     bench_timeout_s: float = 600.0
+    # What a deadline assumes a server start needs before this run has one of its own.
+    startup_floor_s: float = 0.0
 
     def checkpoint_spec(self, experts: int | None = None) -> checkpoint.Spec:
         spec = checkpoint_routed.PRESETS[self.preset]
         return dataclasses.replace(spec, experts=experts) if experts else spec
+
+
+#: The keys of a profile's table; its ``server``, ``arms`` and ``measure`` tables are
+#: checked by :class:`Arm` and :class:`Measure`.
+PROFILE_KEYS = frozenset({
+    "description", "preset", "routers", "budget", "server", "arms", "measure",
+    "startup_timeout_s", "bench_timeout_s", "startup_floor_s",
+})  # fmt: skip
 
 
 def load_profiles(path: Path = PROFILES) -> dict[str, Profile]:
@@ -143,6 +160,11 @@ def load_profiles(path: Path = PROFILES) -> dict[str, Profile]:
         raise HarnessError(f"cannot read {path}: {exc}") from exc
     profiles = {}
     for name, body in data.items():
+        unknown = sorted(set(body) - PROFILE_KEYS)
+        if unknown:
+            raise HarnessError(
+                f"{path}: profile {name}: unknown keys {unknown}; known: {sorted(PROFILE_KEYS)}"
+            )
         try:
             fields: dict[str, Any] = {
                 k: tuple(v) if isinstance(v, list) else v for k, v in body["measure"].items()
@@ -160,6 +182,7 @@ def load_profiles(path: Path = PROFILES) -> dict[str, Profile]:
                 measure=measure,
                 startup_timeout_s=float(body.get("startup_timeout_s", 600)),
                 bench_timeout_s=float(body.get("bench_timeout_s", 600)),
+                startup_floor_s=float(body.get("startup_floor_s", 0)),
             )
         except (KeyError, TypeError) as exc:
             raise HarnessError(f"{path}: profile {name}: {exc}") from exc
@@ -343,10 +366,10 @@ class Runner:
             if not self.dry_run and all((self.out / f"{n}.json").exists() for n in names):
                 progress(f"{router}/{arm.name}: every result exists in {self.out}; skipped")
                 continue
-            # The fastest start of this run so far bounds the next one from below.
-            if not self.dry_run and not self.fits(
-                f"{router}/{arm.name} server", min(self.startups, default=0.0)
-            ):
+            # The fastest start of this run so far bounds the next one from below;
+            # before the first, the profile's floor (each replay is a process of its own).
+            need = min(self.startups, default=self.profile.startup_floor_s)
+            if not self.dry_run and not self.fits(f"{router}/{arm.name} server", need):
                 continue
             self._session(router, arm, speculative)
         return self.written
@@ -1118,7 +1141,7 @@ def main(
     runner = Runner(
         profile, out, vllm, models, spec, arms, routers, speculative, plain,
         env=env, dry_run=dry_run,
-        deadline=None if deadline_s is None or dry_run else started + deadline_s,
+        deadline=None if dry_run else run_deadline(started, deadline_s, os.environ),
     )  # fmt: skip
     gib = checkpoint_routed.expert_bytes(spec) / 2**30
     if dry_run:
@@ -1150,6 +1173,28 @@ def main(
     finally:  # a run stopped by a time limit (SIGINT) still leaves its summary
         _write_run_summary(out)
     return 0
+
+
+def run_deadline(
+    started: float, deadline_s: float | None, environ: Mapping[str, str]
+) -> float | None:
+    """The ``time.monotonic()`` value a run started at ``started`` must end by:
+    ``deadline_s`` after it, or earlier where ``device_run.py`` interrupts this process
+    sooner (:data:`TIME_LEFT_ENV`, less :data:`WIND_DOWN_S`); None for neither."""
+    limits = [] if deadline_s is None else [started + deadline_s]
+    given = environ.get(TIME_LEFT_ENV)
+    if given:
+        try:
+            left = float(given)
+        except ValueError as exc:
+            raise HarnessError(f"{TIME_LEFT_ENV}={given!r} is not a number of seconds") from exc
+        limits.append(started + left - WIND_DOWN_S)
+        if limits[-1] == min(limits):
+            progress(
+                f"device_run.py interrupts this run in {left:.0f} s: it plans to end "
+                f"{WIND_DOWN_S:.0f} s before that"
+            )
+    return min(limits, default=None)
 
 
 def _write_run_summary(out: Path) -> None:

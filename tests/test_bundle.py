@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import bundle, device_run, fatbin, results
+from harness import bundle, device_run, e2e, fatbin, results
 from harness.project import REPO, HarnessError, Project
 
 CommitFn = Callable[[str, dict[str, str]], str]  # the conftest's `commit` fixture
@@ -721,6 +721,44 @@ def test_environment_puts_the_bundle_first_and_turns_off_the_flashinfer_sampler(
     )
 
 
+def test_a_time_limited_replay_ends_within_the_limit_even_when_it_ignores_sigint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Session 13 lost a run to this: the cut replay got SIGINT at the limit and its
+    # SIGKILL came 30 s later, after the device call's own limit had ended the call.
+    monkeypatch.setattr(device_run, "KILL_GRACE_S", 1.5)
+    monkeypatch.setattr(device_run, "WRAP_UP_S", 2.5)
+    stubborn = (
+        "-c 'import os, signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        f'print(os.environ["{device_run.TIME_LEFT_ENV}"], flush=True); time.sleep(60)' + "'"
+    )
+    started = time.monotonic()
+    (record,) = device_run.run_replays(
+        {"PATH": "/usr/bin:/bin"}, tmp_path, [stubborn], timeout=600, deadline=started + 6
+    )
+    ended = time.monotonic() - started
+    assert record["status"] == "timed-out"
+    assert ended < 6 - 2.5 + 1.5 + 1  # SIGINT at 3.5 s, SIGKILL at 5 s: within the 6 s
+    given = float((tmp_path / "replay-1.log").read_text().splitlines()[1])
+    assert 3.0 < given <= 3.5  # the child was told when its SIGINT comes
+
+
+def test_steps_with_no_time_left_are_not_started(tmp_path: Path) -> None:
+    pytest_record = device_run.run_pytest({}, tmp_path, tmp_path, ["t.py"], None, [], timeout=0)
+    assert pytest_record["status"] == "timed-out" and pytest_record["passed"] == 0
+    assert pytest_record["note"] == "not started: no time left"
+    smoke_record = device_run.run_smoke({}, tmp_path, timeout=-1.0)
+    assert smoke_record["status"] == "timed-out" and smoke_record["checks"] == []
+    assert not (tmp_path / "pytest.log").exists() and not (tmp_path / "smoke.log").exists()
+    deadline = time.monotonic() + device_run.WRAP_UP_S + 100
+    assert 99 < device_run.time_left(600, deadline) <= 100
+    assert device_run.time_left(50, deadline) == 50 and device_run.time_left(7, None) == 7
+
+
+def test_the_time_left_variable_is_the_one_the_e2e_runner_reads() -> None:
+    assert device_run.TIME_LEFT_ENV == e2e.TIME_LEFT_ENV
+
+
 def test_device_run_repeats_the_result_schema_of_harness_results() -> None:
     # device_run.py cannot import harness.results on the GPU host; its copy must not drift.
     assert (device_run.SCHEMA, device_run.REQUIRED) == (results.SCHEMA, results.REQUIRED)
@@ -812,12 +850,13 @@ def test_device_run_interrupts_at_the_time_limit(tmp_path: Path) -> None:
     assert "start" in log.getvalue() and "time limit" in log.getvalue()
 
 
-def test_replays_share_the_time_limit(tmp_path: Path) -> None:
+def test_replays_share_the_time_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device_run, "WRAP_UP_S", 1.0)
     env = {"PATH": "/usr/bin:/bin"}
     sleeper = "-c 'import time; time.sleep(60)'"
     started = time.monotonic()
     records = device_run.run_replays(
-        env, tmp_path, ["-c pass", sleeper, "-c pass"], timeout=600, deadline=started + 3
+        env, tmp_path, ["-c pass", sleeper, "-c pass"], timeout=600, deadline=started + 4
     )
     assert time.monotonic() - started < 40  # cut at the deadline, not at the 600 s timeout
     assert [r["status"] for r in records] == ["passed", "timed-out", "timed-out"]

@@ -542,6 +542,47 @@ def test_a_deadline_skips_a_server_start_faster_than_any_seen(
 
 
 @pytest.mark.usefixtures("fake")
+def test_before_its_first_start_a_run_assumes_the_profiles_startup_floor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each replay of a device call is a process of its own: without the floor, the
+    # last replay of session 13's call 3 started a server with 65 s left.
+    runner = _tiny_runner(tmp_path / "out", arms=("pool",))
+    runner.profile = dataclasses.replace(runner.profile, startup_floor_s=75.0)
+    runner.deadline = runner.clock() + 60
+    runner.run()
+    assert "skewed/pool server: skipped, it needs at least 75 s" in capsys.readouterr().err
+    assert not list((tmp_path / "out").glob("server-*.json"))
+    runner.deadline = runner.clock() + 80
+    runner.run()
+    assert (tmp_path / "out/server-skewed-pool.json").exists()
+
+
+def test_the_glm_profile_has_a_startup_floor_and_unknown_keys_are_refused(
+    tmp_path: Path,
+) -> None:
+    assert e2e.load_profiles()["glm-shape-h200"].startup_floor_s == 75
+    bad = tmp_path / "p.toml"
+    bad.write_text(e2e.PROFILES.read_text().replace("startup_floor_s", "startup_flor_s"))
+    with pytest.raises(e2e.HarnessError, match=r"unknown keys \['startup_flor_s'\]"):
+        e2e.load_profiles(bad)
+
+
+def test_the_run_deadline_is_the_earlier_of_deadline_s_and_device_runs_time(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    env = {e2e.TIME_LEFT_ENV: "300.0"}
+    assert e2e.run_deadline(1000.0, None, {}) is None
+    assert e2e.run_deadline(1000.0, 540.0, {}) == 1540.0
+    assert e2e.run_deadline(1000.0, None, env) == 1000.0 + 300 - e2e.WIND_DOWN_S
+    assert "interrupts this run in 300 s" in capsys.readouterr().err
+    assert e2e.run_deadline(1000.0, 200.0, env) == 1200.0  # the tighter one wins
+    assert "interrupts" not in capsys.readouterr().err
+    with pytest.raises(e2e.HarnessError, match="is not a number of seconds"):
+        e2e.run_deadline(0.0, None, {e2e.TIME_LEFT_ENV: "soon"})
+
+
+@pytest.mark.usefixtures("fake")
 def test_a_server_that_does_not_start_is_not_a_start_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -583,6 +624,11 @@ def test_main_hands_the_deadline_to_the_runner_and_writes_the_summary_when_cut(
         e2e.main("glm-shape-h200", out, python=Path("py"), deadline_s=540)
     assert seen and seen[0] is not None and 530 < seen[0] <= 540
     assert json.loads((out / "summary.json").read_text())["decode"] == []
+    # Under device_run.py without --deadline-s, the time it gives bounds the run.
+    monkeypatch.setenv(e2e.TIME_LEFT_ENV, "400")
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main("glm-shape-h200", out, python=Path("py"))
+    assert seen[1] is not None and 375 < seen[1] <= 400 - e2e.WIND_DOWN_S
 
 
 @pytest.mark.usefixtures("fake")
