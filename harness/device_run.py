@@ -37,10 +37,11 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
    its output in ``<out>/replay-N.log``; ``VLLM_BUNDLE_OUT`` names ``<out>``
    and ``VLLM_BUNDLE_TREE_COMMIT`` the bundle's vLLM tree commit.
    ``--time-limit`` bounds the whole run: every step's timeout is cut to what is
-   left of it less :data:`WRAP_UP_S` (the SIGINT-to-SIGKILL grace and the final
-   write), so a step that is cut still ends, and ``results.json`` is written,
-   within the limit. Each child learns the seconds it has before its SIGINT
-   from ``VLLM_BUNDLE_TIME_LEFT_S`` (``harness replay e2e`` plans by it).
+   left of it less :data:`WRAP_UP_S` (the SIGINT-to-SIGKILL grace, the output
+   reader's join and the final write), so a step that is cut still ends, and
+   ``results.json`` is written, within the limit. Each child learns the
+   seconds it has before its SIGINT from ``VLLM_BUNDLE_TIME_LEFT_S``
+   (``harness replay e2e`` plans by it).
 
 A section passes only when something ran and nothing failed: skipped tests,
 a smoke not run, or no tests collected never count as passing. The exit
@@ -268,11 +269,16 @@ BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
 #: Tells each child (smoke, pytest, replay) how many seconds it has before it is
 #: sent SIGINT; ``harness.e2e`` reads it (``tests/test_bundle.py`` checks the name).
 TIME_LEFT_ENV = "VLLM_BUNDLE_TIME_LEFT_S"
-#: Seconds between a cut child's SIGINT and its SIGKILL.
-KILL_GRACE_S = 30.0
-#: What a step keeps back from ``--time-limit``: the kill grace, the output
-#: reader's join and the write of ``results.json``.
-WRAP_UP_S = KILL_GRACE_S + 10.0
+#: Seconds between a cut child's SIGINT and its SIGKILL: enough for ``harness replay
+#: e2e`` to stop its bench and server (``harness.e2e.STOP_TIMEOUT_S`` each, then
+#: SIGKILL and up to 10 s) and write its summary.
+KILL_GRACE_S = 45.0
+#: How long the output reader may take after the child ends (a SIGKILLed child's
+#: own children can hold the pipe open).
+READER_JOIN_S = 10.0
+#: What a step keeps back from ``--time-limit``: the kill grace, the reader's join
+#: and the write of ``results.json``.
+WRAP_UP_S = KILL_GRACE_S + READER_JOIN_S + 5.0
 #: The manifest and the joined tar of a wheel group split for several calls
 #: (``harness bundle --wheel-group``; see :func:`join_wheel_parts`).
 PARTS_MANIFEST = "parts.json"
@@ -835,7 +841,7 @@ def _run_logged(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    reader.join(timeout=10)
+    reader.join(timeout=READER_JOIN_S)
     return proc.returncode, timed_out
 
 
@@ -859,7 +865,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join([Path(__file__).name, *argv])
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.time_limit is not None and args.time_limit <= WRAP_UP_S:
+        parser.error(
+            f"--time-limit {args.time_limit:g} leaves no step any time: each keeps "
+            f"{WRAP_UP_S:.0f} s back to be stopped and recorded; give more than that"
+        )
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     bundle = args.bundle.resolve()
     out = Path(args.out).resolve()
@@ -899,12 +911,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     tests = args.test or provenance["contents"]["tests"]["selected"]
     if tests and not args.skip_tests:
         timeout = time_left(args.pytest_timeout, deadline)
-        results["pytest"] = run_pytest(env, prefix, out, tests, args.k, args.pytest_arg, timeout)
+        results["pytest"] = run_pytest(
+            env, prefix, out, tests, args.k, args.pytest_arg, timeout=timeout
+        )
         _write(out, run_provenance, results)
     results["replays"] = run_replays(env, out, args.replay, args.replay_timeout, deadline)
     _write(out, run_provenance, results)
     _summary(results)
     return 0 if results["ok"] else 1
+
+
+def _note(record: dict[str, Any]) -> str:
+    """A step record's note (why it did not run, or what it lacks), for the summary lines."""
+    return f": {record['note']}" if record.get("note") else ""
 
 
 def _summary(results: dict[str, Any]) -> None:
@@ -916,7 +935,7 @@ def _summary(results: dict[str, Any]) -> None:
     )
     print(f"[device_run] install: {results['install']['status']}")
     smoke_record = results["smoke"]
-    print(f"[device_run] smoke: {smoke_record['status']}")
+    print(f"[device_run] smoke: {smoke_record['status']}{_note(smoke_record)}")
     for check in smoke_record.get("checks", []):
         print(f"    {check['status']:7} {check['name']}")
     py = results["pytest"]
@@ -925,7 +944,7 @@ def _summary(results: dict[str, Any]) -> None:
     else:
         print(
             f"[device_run] pytest: {py['status']}: {py['passed']} passed, {py['failed']} failed, "
-            f"{py['errors']} errors, {py['skipped']} skipped"
+            f"{py['errors']} errors, {py['skipped']} skipped{_note(py)}"
         )
         for skip in py["skipped_tests"]:
             print(f"    SKIPPED {skip['test']}: {skip['reason']}")
@@ -934,7 +953,7 @@ def _summary(results: dict[str, Any]) -> None:
     for replay in results["replays"]:
         print(
             f"[device_run] replay {replay['command']}: {replay['status']} "
-            f"(exit {replay['exit_code']})"
+            f"(exit {replay['exit_code']}){_note(replay)}"
         )
     print(f"[device_run] ok: {results['ok']}")
 
@@ -1009,7 +1028,7 @@ def _parser() -> argparse.ArgumentParser:
         f"then SIGKILL {KILL_GRACE_S:.0f} s later), a step with nothing left is not started "
         "(recorded as timed out), and each child finds its seconds in "
         f"{TIME_LEFT_ENV}; for a device call of L seconds, give L less what the command "
-        "does after device_run.py (a tar: 10 s)",
+        "does before and after device_run.py (a copy, a tar: about 10 s)",
     )
     return parser
 

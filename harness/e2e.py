@@ -70,6 +70,10 @@ TIME_LEFT_ENV = "VLLM_BUNDLE_TIME_LEFT_S"
 #: What a run keeps back from that time to stop its last server (vLLM's shutdown
 #: on SIGTERM) and write its summary.
 WIND_DOWN_S = 15.0
+#: How long a server or bench gets after SIGTERM before SIGKILL; short, so that a run
+#: interrupted by ``device_run.py`` (SIGINT) stops both and writes its summary within
+#: that script's kill grace (``harness.device_run.KILL_GRACE_S``).
+STOP_TIMEOUT_S = 10.0
 
 #: Lines of a server log that say what each arm holds where.
 FACTS = {
@@ -160,6 +164,8 @@ def load_profiles(path: Path = PROFILES) -> dict[str, Profile]:
         raise HarnessError(f"cannot read {path}: {exc}") from exc
     profiles = {}
     for name, body in data.items():
+        if not isinstance(body, dict):
+            raise HarnessError(f"{path}: {name} = {body!r} is not a profile table")
         unknown = sorted(set(body) - PROFILE_KEYS)
         if unknown:
             raise HarnessError(
@@ -318,7 +324,7 @@ class Runner:
         lists its results as not measured). A decode bench's ``need_s`` comes from this
         server's earlier benches (:func:`step_bound_s`), below what they measured; a
         server's is the fastest successful start in this run (a start from a cold page
-        cache is the slowest)."""
+        cache is the slowest), or the profile's ``startup_floor_s`` before the first."""
         if self.deadline is None:
             return True
         left = self.deadline - self.clock()
@@ -326,7 +332,7 @@ class Runner:
             return True
         progress(
             f"{what}: skipped, it needs at least {need_s:.0f} s and {max(left, 0):.0f} s are "
-            "left before --deadline-s"
+            "left before the run's deadline"
         )
         return False
 
@@ -402,7 +408,8 @@ class Runner:
         port = 8000 if self.dry_run else replay.free_port()
         argv = replay.serve_argv(self.vllm, options, self.models[router], port)
         tag = f"{router}-{arm.name}{'-ngram' if speculative else ''}"
-        server = replay.Server(argv, port, self.out / "logs" / f"{tag}.server.log", self.env)
+        log = self.out / "logs" / f"{tag}.server.log"
+        server = replay.Server(argv, port, log, self.env, stop_timeout_s=STOP_TIMEOUT_S)
         runs = self._runs(router, arm, speculative)
         if self.dry_run:
             self.echo(shlex.join(argv))
@@ -491,7 +498,7 @@ class Runner:
         except subprocess.TimeoutExpired:
             code = "timeout"
         finally:
-            replay.stop_group(proc)
+            replay.stop_group(proc, STOP_TIMEOUT_S)
             samples = sampler.stop() if sampler else []
         path = run.result_dir / run.result_file
         bench = json.loads(path.read_text()) if code == 0 and path.exists() else {}

@@ -755,6 +755,31 @@ def test_steps_with_no_time_left_are_not_started(tmp_path: Path) -> None:
     assert device_run.time_left(50, deadline) == 50 and device_run.time_left(7, None) == 7
 
 
+def test_main_gives_smoke_and_pytest_what_the_time_limit_leaves(
+    ready: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out_bundle = build(ready, tmp_path).path
+    given: dict[str, float] = {}
+    counts = {"passed": 1, "failed": 0, "errors": 0, "skipped": 0}
+
+    def smoke(env: object, out: object, timeout: float) -> dict[str, object]:
+        given["smoke"] = timeout
+        return {"status": "passed", "checks": []}
+
+    def tests(*args: object, timeout: float = 0.0) -> dict[str, object]:
+        given["pytest"] = timeout
+        return {"status": "passed", **counts, "skipped_tests": [], "failed_tests": []}
+
+    monkeypatch.setattr(device_run, "run_smoke", smoke)
+    monkeypatch.setattr(device_run, "run_pytest", tests)
+    argv = ["--bundle", str(out_bundle), "--prefix", str(tmp_path / "p"), "--out"]
+    limit = device_run.WRAP_UP_S + 100
+    assert device_run.main([*argv, str(tmp_path / "o"), "--time-limit", str(limit)]) == 0
+    assert 90 < given["smoke"] <= 100 and 90 < given["pytest"] <= 100  # not 300 and 600
+    with pytest.raises(SystemExit):  # a limit that leaves no step any time is refused
+        device_run.main([*argv, str(tmp_path / "o2"), "--time-limit", "30"])
+
+
 def test_the_time_left_variable_is_the_one_the_e2e_runner_reads() -> None:
     assert device_run.TIME_LEFT_ENV == e2e.TIME_LEFT_ENV
 

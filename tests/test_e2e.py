@@ -566,6 +566,9 @@ def test_the_glm_profile_has_a_startup_floor_and_unknown_keys_are_refused(
     bad.write_text(e2e.PROFILES.read_text().replace("startup_floor_s", "startup_flor_s"))
     with pytest.raises(e2e.HarnessError, match=r"unknown keys \['startup_flor_s'\]"):
         e2e.load_profiles(bad)
+    bad.write_text("stray = 1\n" + e2e.PROFILES.read_text())
+    with pytest.raises(e2e.HarnessError, match="stray = 1 is not a profile table"):
+        e2e.load_profiles(bad)
 
 
 def test_the_run_deadline_is_the_earlier_of_deadline_s_and_device_runs_time(
@@ -618,6 +621,7 @@ def test_main_hands_the_deadline_to_the_runner_and_writes_the_summary_when_cut(
     monkeypatch.setattr(e2e.replay, "server_versions", lambda _: dict.fromkeys(
         ("torch", "cuda", "vllm"), "test"))  # fmt: skip
     monkeypatch.setattr(e2e.Runner, "run", cut)
+    monkeypatch.delenv(e2e.TIME_LEFT_ENV, raising=False)
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(KeyboardInterrupt):
