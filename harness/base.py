@@ -51,8 +51,8 @@ class _Anchors(HTMLParser):
             self.links[name] = href
 
 
-def find_file_url(project: str, filename: str, index: str | None = None) -> str:
-    """URL of ``filename`` as listed by the index's simple page for ``project``.
+def index_files(project: str, index: str | None = None) -> dict[str, str]:
+    """Every file the index's simple page lists for ``project``: name -> absolute URL.
 
     ``pip download`` cannot fetch vLLM's sdist (it builds metadata first), so
     the harness reads the listing itself; both PEP 691 JSON and PEP 503 HTML
@@ -74,20 +74,29 @@ def find_file_url(project: str, filename: str, index: str | None = None) -> str:
         parser = _Anchors()
         parser.feed(body)
         links = parser.links
+    return {name: urllib.parse.urljoin(page, url) for name, url in links.items()}
+
+
+def find_file_url(project: str, filename: str, index: str | None = None) -> str:
+    """URL of ``filename`` as listed by the index's simple page for ``project``."""
+    links = index_files(project, index)
     if filename not in links:
-        raise HarnessError(f"{filename} is not listed on {page}")
-    return urllib.parse.urljoin(page, links[filename])
+        raise HarnessError(f"{filename} is not listed on the index page of {project}")
+    return links[filename]
 
 
-def fetch(project: Project, filename: str, sha256: str) -> Path:
-    """Return the cached, hash-verified release file, downloading it if needed.
+def fetch(project: Project, filename: str, sha256: str | None) -> Path:
+    """The release file ``filename`` in the cache, downloaded once from the index.
 
-    A cached file whose hash differs from the pin is an error, not a silent
-    re-download: something changed it, and the user should know.
+    With ``sha256`` the file, cached or new, must have that hash: a cached file
+    that differs is an error, not a silent re-download (something changed it,
+    and the user should know). Without it (pinning a new release) the caller
+    computes the hash from the file.
     """
     dest = project.cache / "dist" / filename
     if dest.exists():
-        _verify(dest, sha256)
+        if sha256 is not None:
+            _verify(dest, sha256)
         return dest
     url = find_file_url("vllm", filename)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -106,11 +115,12 @@ def fetch(project: Project, filename: str, sha256: str) -> Path:
     except OSError as exc:
         part.unlink(missing_ok=True)
         raise HarnessError(f"download of {filename} failed: {exc}") from exc
-    try:
-        _verify(part, sha256)
-    except HarnessError:
-        part.unlink()
-        raise
+    if sha256 is not None:
+        try:
+            _verify(part, sha256)
+        except HarnessError:
+            part.unlink()
+            raise
     part.rename(dest)
     return dest
 

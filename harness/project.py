@@ -108,6 +108,10 @@ class Pin:
     # (pytest node id, why): series tests not run on this release, each with its
     # reason; a [[matrix]] entry's `deselect` table. Reported, never silent.
     deselect: tuple[tuple[str, str], ...] = ()
+    # The folder under patches/ holding the series this release uses (its
+    # `series` key): a maintained backport made on the release of the same
+    # name. None: the main series, patches/ itself, made on [base]'s release.
+    series: str | None = None
 
     @property
     def is_default(self) -> bool:
@@ -148,7 +152,13 @@ class Pin:
             matrix=matrix,
             default=default,
             deselect=tuple(dict(chosen.get("deselect", {})).items()),
+            series=chosen.get("series"),
         )
+
+    @property
+    def home(self) -> str:
+        """The release the selected series is made on (a backport folder is named after it)."""
+        return self.series or self.default.version
 
 
 def _matrix_entry(
@@ -210,17 +220,31 @@ class Project:
         return root_work / "releases" / version
 
     @property
-    def patches(self) -> Path:
-        return self.root / "patches"
+    def pin_file(self) -> Path:
+        """``patches/base.toml``: the pins of every release, and which series each uses."""
+        return self.root / "patches" / "base.toml"
 
     @property
     def pin(self) -> Pin:
-        return Pin.load(self.patches / "base.toml", self.vllm)
+        return Pin.load(self.pin_file, self.vllm)
+
+    @property
+    def patches(self) -> Path:
+        """The selected release's series: ``patches/``, or a backport folder under it."""
+        series = None if self.vllm is None else self.pin.series
+        return self.root / "patches" / series if series else self.root / "patches"
 
     @property
     def on_default(self) -> bool:
-        """Whether the selected release is ``[base]``'s (the one ``patches/`` is made on)."""
-        return self.vllm is None or self.pin.is_default
+        """Whether the selected release is the one its series is made on: ``[base]``'s
+        for ``patches/``, the folder's own release for a backport (``patches/0.33.0``)."""
+        return self.vllm is None or self.pin.release.version == self.pin.home
+
+    def backports(self) -> list[Project]:
+        """This project on each release that has a backport series of its own."""
+        homes = {r.version for r in self.pin.releases}
+        folders = sorted(p.parent.name for p in (self.root / "patches").glob("*/series"))
+        return [self.for_release(v) for v in folders if v in homes]
 
     @property
     def tree(self) -> Path:
