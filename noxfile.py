@@ -101,7 +101,7 @@ def kernels(session: nox.Session) -> None:
     _harness(
         session, "kernels", "--rev", "series", "--namespace", "marlin_series", *session.posargs
     )
-    _harness(session, "kernels", "--rev", "v0.33.0", "--namespace", "marlin_base", *session.posargs)
+    _harness(session, "kernels", "--rev", "v0.34.0", "--namespace", "marlin_base", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)
@@ -112,8 +112,14 @@ def bundle(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
-    """Classify each patch on vLLM 0.30.0-0.33.0 (`-- --test`: then apply, build and test each)."""
+    """Classify every pinned release's series on it (`-- --test`: then apply, build, test)."""
     _harness(session, "matrix", *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+def pin(session: nox.Session) -> None:
+    """Pin a release from the index (`-- 0.35.0`), or list newer ones (`-- --newer`)."""
+    _harness(session, "pin", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -19,6 +19,7 @@ from harness import (
     lint,
     matrix,
     patches,
+    pinning,
     series,
     test,
 )
@@ -99,6 +100,19 @@ def _cmd_check(project: Project, args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _cmd_pin(project: Project, args: argparse.Namespace) -> int:
+    if args.newer:
+        newer = pinning.newer_releases(project)
+        print("\n".join(newer) if newer else "no release on the index is newer than every pin")
+        return 1 if newer else 0
+    if args.version is None:
+        raise HarnessError("name the release to pin (e.g. `pin 0.35.0`), or pass --newer")
+    entry = pinning.pin(project, args.version, series=args.series)
+    print(pinning.render_entry(entry), end="")
+    print(f"appended to {project.pin_file}; `VLLM_SERIES_VLLM={args.version} nox -s apply` next")
+    return 0
+
+
 def _cmd_doc(project: Project, args: argparse.Namespace) -> int:
     changed = document.update(project)
     print("updated: " + ", ".join(changed) if changed else "documents already up to date")
@@ -118,6 +132,9 @@ def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
             for v, c in row["cells"].items()
         )
         print(f"{row['patch']}: {cells}")
+    for version in data.get("newer_on_index", []):
+        print(f"vLLM {version} is on the index and newer than every pin: "
+              f"`python -m harness pin {version}`")  # fmt: skip
     failed = matrix.failures(data)
     if failed:
         print("matrix: failed: " + ", ".join(failed))
@@ -320,6 +337,26 @@ def parser() -> argparse.ArgumentParser:
         "and run the series' CPU tests in that release's own work area, timed per cell "
         "(exit 1 when a step fails there)",
     )
+    pn = add(
+        "pin",
+        _cmd_pin,
+        "pin a vLLM release from the package index: downloads its sdist and release wheel, "
+        "computes their sha256, reads the upstream commit (vllm/_version.py) and the torch and "
+        "FlashInfer pins (requirements/cuda.txt) from the sdist, makes the synthetic base "
+        "commit, and appends the [[matrix]] entry to patches/base.toml",
+    )
+    pn.add_argument("version", nargs="?", help="the release to pin, e.g. 0.35.0")
+    pn.add_argument(
+        "--series",
+        metavar="FOLDER",
+        help="the backport folder under patches/ that release uses (default: the main series)",
+    )
+    pn.add_argument(
+        "--newer",
+        action="store_true",
+        help="pin nothing: list the releases on the index newer than every pin (exit 1 when "
+        "there is one, so a scheduled job notices)",
+    )
     _add_replay_commands(add)
     return top
 
@@ -521,26 +558,35 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return parser().parse_args(argv)
 
 
-# Commands that read or write what is made on [base]'s release only (patches/,
-# SERIES.md, the results, the release kernels): on another release they would
-# record that release's base in place of the series' own.
-DEFAULT_ONLY = ("export", "check", "doc", "matrix", "bundle", "kernels", "replay")
+# Commands that read or write what is made on [base]'s release only (SERIES.md,
+# the results, the release kernels, the pins; `check` covers every series): on
+# another release they would record that release's base in place of the series' own.
+MAIN_ONLY = ("check", "doc", "matrix", "bundle", "kernels", "replay", "pin")
+# Commands that write a series folder: on the release it is made on (patches/ on
+# [base]'s, a backport folder such as patches/0.33.0 on its own release).
+HOME_ONLY = ("export",)
 
 
 def refuse_off_default(project: Project, args: argparse.Namespace) -> None:
-    """Refuse a :data:`DEFAULT_ONLY` command when ``$VLLM_SERIES_VLLM`` selects another release.
+    """Refuse a :data:`MAIN_ONLY` command when ``$VLLM_SERIES_VLLM`` selects another release
+    than ``[base]``'s, and a :data:`HOME_ONLY` one off the release its series is made on.
 
-    ``export --out DIR`` (a submission copy for that release) is allowed.
+    ``export --out DIR`` (a submission copy for that release) is allowed anywhere.
     """
-    if project.on_default or args.command not in DEFAULT_ONLY:
-        return
-    if args.command == "export" and args.out is not None:
-        return
-    raise HarnessError(
-        f"`{args.command}` works on vLLM {project.pin.default.version}, the release patches/ "
-        f"is made on, but {RELEASE_ENV}={project.vllm} selects another; unset it (the "
-        f"per-release commands are base, apply, reset, range-diff, build, test, selftest, lint)"
-    )
+    pin = project.pin
+    if args.command in HOME_ONLY and not project.on_default and args.out is None:
+        raise HarnessError(
+            f"`{args.command}` writes {project.patches.relative_to(project.root)}, which is made "
+            f"on vLLM {pin.home}, but {RELEASE_ENV}={project.vllm} selects another; set "
+            f"{RELEASE_ENV}={pin.home} (or `export --out DIR` for a copy for vLLM {project.vllm})"
+        )
+    if args.command in MAIN_ONLY and project.vllm is not None and not pin.is_default:
+        raise HarnessError(
+            f"`{args.command}` works on vLLM {pin.default.version}, the release patches/ "
+            f"is made on, but {RELEASE_ENV}={project.vllm} selects another; unset it (the "
+            f"per-release commands are base, apply, reset, range-diff, build, test, selftest, "
+            f"lint, and export on a backport's own release; check covers every backport)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,12 +5,15 @@
 * every commit applies alone, with plain ``git am --keep-non-patch`` (no
   3-way merge), on the base its note names, in a clone that holds only the
   base's objects: what a fork that cherry-picks the commit has;
-* every result file is well-formed, and the documents' generated blocks are
-  current.
+* the same for every backport series (``patches/<release>/``) on its own
+  release;
+* every result file is well-formed, ``results/matrix.json`` was made from the
+  committed series, and the documents' generated blocks are current.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -24,7 +27,7 @@ from harness.applying import (
     forget,
     fresh_clone,
 )
-from harness.patches import load_notes, series_files
+from harness.patches import load_notes, series_files, series_record
 from harness.project import Project
 from harness.series import format_patches, prepare
 
@@ -78,13 +81,52 @@ def check_standalone(project: Project, clone: Path, base: str) -> list[str]:
     return problems
 
 
-def check(project: Project) -> list[str]:
-    """Round trip, standalone commits, result files, fresh documents."""
+def stale_record(project: Project) -> list[str]:
+    """How ``results/matrix.json`` differs from the committed series (empty: current).
+
+    ``check`` uses this: a matrix made from other patches, or on other releases
+    than ``patches/base.toml`` pins, no longer says what the series does.
+    """
+    path = project.results / "matrix.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())["data"]
+    made = data.get("series")
+    if made is None:
+        return ["results/matrix.json records no series per release; run `nox -s matrix -- --test`"]
+    problems = []
+    for version, now in series_record(project).items():
+        then = made.get(version)
+        if then is None:
+            problems.append(f"results/matrix.json has no column for vLLM {version}")
+        elif then != now:
+            problems.append(
+                f"results/matrix.json was made on vLLM {version} from {then['series']} at "
+                f"series hash {then['hash']}, but the committed {now['series']} is {now['hash']}; "
+                f"run `nox -s matrix -- --test`"
+            )
+    return problems
+
+
+def check_series(project: Project) -> list[str]:
+    """Round trip and standalone commits of the selected release's series, on its base."""
     tree, base = prepare(project)
     with base_store([(tree, project.pin.release.tag)]) as store, fresh_clone(store, base) as clone:
         problems = check_round_trip(project, clone, base)
         problems += check_standalone(project, clone, base)
+    if project.vllm is None:
+        return problems
+    return [f"{project.patches.relative_to(project.root)}: {p}" for p in problems]
+
+
+def check(project: Project) -> list[str]:
+    """Round trip and standalone commits of the main series and of every backport,
+    result files, the matrix's series, fresh documents."""
+    problems = check_series(project)
+    for backport in project.backports():
+        problems += check_series(backport)
     problems += results.check_all(project.root)
+    problems += stale_record(project)
     problems += [
         f"{name}: generated blocks are stale; run `python -m harness doc`"
         for name in document.stale(project)

@@ -29,31 +29,46 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import build, document, results, series, test
+from harness import build, document, pinning, results, series, test
 from harness.applying import apply_alone, base_store, fresh_clone
 from harness.base import materialize
-from harness.patches import load_notes, patch_tests, series_files
+from harness.patches import load_notes, patch_tests, series_files, series_record
 from harness.project import HarnessError, Project, Release, git, progress
 
 APPLIED = ("clean", "3way")
 
 
+def _series_of(project: Project, version: str) -> Project:
+    """The project on ``version`` when base.toml pins it fully, else the main series
+    (a release the matrix only classifies uses the main series)."""
+    try:
+        return project.for_release(version)
+    except HarnessError:
+        return project
+
+
 def classify(project: Project, release: Release) -> dict[str, dict[str, Any]]:
-    """One column of the matrix: ``{patch: {"outcome": ..., "files": [...], "seconds": ...}}``."""
+    """One column of the matrix: ``{patch: {"outcome": ..., "files": [...], "seconds": ...}}``.
+
+    The release's own series is classified: ``patches/`` or the backport folder
+    its pin names (``series = "0.33.0"``).
+    """
     pin = project.pin
-    base_tree, _ = series.prepare(project)
-    sources = [(base_tree, pin.release.tag)]
-    if release == pin.release:
-        base = pin.base_commit
+    selected = _series_of(project, release.version)
+    home = project.for_release(selected.pin.home)
+    home_tree, _ = series.prepare(home)
+    # The blobs of the release the series is made on: git am's 3-way fallback
+    # then works as it does in an upstream clone that has both releases.
+    sources = [(home_tree, home.pin.release.tag)]
+    if release.version == home.pin.release.version:
+        base = home.pin.base_commit
     else:
         # The release's own tree (the one `VLLM_SERIES_VLLM` uses), only its tag is read.
         tree = project.release_work(release.version) / "vllm"
         base = materialize(project, release, tree, pin.identity)
-        # With the pinned base's blobs as well, git am's 3-way fallback can
-        # work as it does in an upstream clone that has both releases.
         sources.insert(0, (tree, release.tag))
-    patches = series_files(project)
-    notes = load_notes(project)
+    patches = series_files(selected)
+    notes = load_notes(selected)
     cells: dict[str, dict[str, Any]] = {}
     with base_store(sources) as store, fresh_clone(store, base) as clone:
         for patch in patches:
@@ -118,7 +133,7 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     the bare base (no prerequisite in its note) and applied alone in :func:`classify`
     is applied, built and tested alone on the base: ``run["alone"][patch]``.
     """
-    patches = series_files(project)
+    patches = series_files(_series_of(project, version))
     stop = next((p for p in patches if cells[p.name]["outcome"] not in APPLIED), None)
     if stop is None:
         return _run_group(project, version, cells)
@@ -128,7 +143,7 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
         why = reason if applied else "the patch did not apply"
         cells[patch.name] |= {"build": _not_run(why), "test": _not_run(why)}
     run: dict[str, Any] = {name: _not_run(reason) for name in ("apply", "build", "test")}
-    notes = load_notes(project)
+    notes = load_notes(_series_of(project, version))
     after = patches[patches.index(stop) + 1 :]
     alone = [p for p in after if not notes[p.name].requires and cells[p.name]["outcome"] in APPLIED]
     if alone:
@@ -155,8 +170,8 @@ def _run_group(
 ) -> dict[str, Any]:
     """Apply the whole series (or ``only`` those patches, alone on the base), build and
     test; fill the applied patches' cells and return the run's steps."""
-    patches = list(only) if only else series_files(project)
     release = project.for_release(version)
+    patches = list(only) if only else series_files(release)
     steps: list[tuple[str, Callable[[], object]]] = [
         ("apply", lambda: series.apply(release, only)),
         ("build", lambda: build.build(release, stock_kernels=True)),
@@ -212,16 +227,23 @@ def run_matrix(project: Project, *, test_releases: bool = False) -> dict[str, An
         if test_releases:
             runs[release.version] = run_release(project, release.version, columns[release.version])
         progress(f"{release.version}: done in {time.monotonic() - started:.0f} s")
+    names = [p.name for p in series_files(project)]
+    names += sorted({n for c in columns.values() for n in c} - set(names))
+    absent = {"outcome": "absent", "files": []}
     data: dict[str, Any] = {
         "git": git(project.root, "--version").stdout.strip(),
         "versions": [r.version for r in releases],
+        "series": series_record(project),
         "rows": [
-            {"patch": p.name, "cells": {v: columns[v][p.name] for v in columns}}
-            for p in series_files(project)
+            {"patch": n, "cells": {v: columns[v].get(n, absent) for v in columns}} for n in names
         ],
     }
     if test_releases:
         data["runs"] = runs
+    try:
+        data["newer_on_index"] = pinning.newer_releases(project)
+    except HarnessError as exc:
+        progress(f"could not list the index's releases: {_first_line(exc)}")
     command = "nox -s matrix -- --test" if test_releases else "nox -s matrix"
     results.write(
         project.results / "matrix.json", "revision-matrix", data, results.provenance(command)

@@ -87,6 +87,20 @@ def series_hash(project: Project) -> str:
     )
 
 
+def series_label(project: Project) -> str:
+    """Where the selected release's series lives, relative to the repository."""
+    return project.patches.relative_to(project.root).as_posix()
+
+
+def series_record(project: Project) -> dict[str, dict[str, str]]:
+    """Per release, the series the matrix ran there: its folder and hash."""
+    out = {}
+    for release in project.pin.releases:
+        selected = project.for_release(release.version)
+        out[release.version] = {"series": series_label(selected), "hash": series_hash(selected)}
+    return out
+
+
 def series_listing(names: list[str]) -> str:
     """The text of ``patches/series`` for ``names``."""
     return SERIES_HEADER + "".join(f"{name}\n" for name in names)

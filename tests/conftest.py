@@ -64,15 +64,18 @@ def make_sdist(path: Path, version: str, files: dict[str, str]) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
-def pin_release(project: Project, version: str, files: dict[str, str]) -> Project:
+def pin_release(
+    project: Project, version: str, files: dict[str, str], series: str | None = None
+) -> Project:
     """Pin ``version`` (an sdist of ``files``) as a ``[[matrix]]`` release beside the
-    fixture's base, with everything the pipeline needs; its base is made and pinned."""
+    fixture's base, with everything the pipeline needs; its base is made and pinned.
+    ``series`` names its backport folder under ``patches/``."""
     sha = make_sdist(project.cache / "dist" / f"vllm-{version}.tar.gz", version, files)
     pin_file = project.patches / "base.toml"
     entry = (
         f'\n[[matrix]]\nversion = "{version}"\nsdist_sha256 = "{sha}"\nupstream_commit = "0"\n'
         f'base_commit = "unknown"\nwheel = "vllm-{version}-none.whl"\nwheel_sha256 = "0"\n'
-        'torch = "2.13.0"\nflashinfer = "0"\n'
+        'torch = "2.13.0"\nflashinfer = "0"\n' + (f'series = "{series}"\n' if series else "")
     )
     pin_file.write_text(pin_file.read_text() + entry)
     release = project.for_release(version)

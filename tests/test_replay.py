@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from harness import replay, results
-from harness.project import HarnessError, Project
+from harness.project import REPO, HarnessError, Pin, Project
 
 FAKE_VLLM = r'''
 """Stands in for the `vllm` CLI: `serve` (HTTP /health and /metrics) and `bench serve`."""
@@ -438,7 +438,8 @@ def test_ttft_run_writes_valid_results_and_stops_the_server(
     assert prov["bench_argv"][2:4] == ["bench", "serve"]
     assert prov["bench_argv"][prov["bench_argv"].index("--seed") + 1] == "6"
     assert data["bench_seed"] == 6
-    assert prov["base"]["version"] == "0.33.0"  # real provenance from patches/base.toml
+    # real provenance from patches/base.toml
+    assert prov["base"]["version"] == Pin.load(REPO / "patches" / "base.toml").default.version
     assert prov["env"]["TORCH_COMPILE_DISABLE"] == "1"  # inherited switches are recorded
     assert "PATH" not in prov["env"] and "HOME" not in prov["env"]
     nvml = data["nvml"]
