@@ -35,25 +35,22 @@ mtime, no owners, so the same inputs give the same bytes):
     The on-target runner; what the bundle was built from (base pin, series hash,
     tree commit, target) and what it contains; sizes and sha256 of every file.
 
-Three things differ from a normal install of the release wheel; each is
+Two things differ from a normal install of the release wheel; each is
 checked by ``tests/test_bundle.py``:
 
-1. **Flash-attention import guard.** ``vllm/vllm_flash_attn/__init__.py`` raises
-   ``ImportError`` when neither FA2 nor FA3 ``.so`` is present, and on CUDA
-   ``v1/attention/backends/fa_utils.py`` imports it at module level on the way
-   to every modelopt/Marlin import. The FA libraries (173 and 308 MB) cannot
-   travel, so :func:`patch_flash_attn_guard` disables that one ``raise``; FA
-   functions then fail when called, not at import. The patch matches the
-   upstream text exactly once or the build fails.
-2. **dist-info.** ``vllm/platforms/__init__.py`` asks
+1. **dist-info.** ``vllm/platforms/__init__.py`` asks
    ``importlib.metadata.version("vllm")`` while probing for CUDA; without a
    dist-info it raises ``PackageNotFoundError``, which is swallowed, and vLLM
    silently runs on ``UnspecifiedPlatform``. The wheel's ``METADATA``,
    ``WHEEL``, ``entry_points.txt`` and ``top_level.txt`` are carried next to
    ``vllm/`` (``RECORD`` is not: the files differ from the wheel's), and the
    build checks that the version matches the pin.
-3. **Kernel pruning.** See :mod:`harness.fatbin`: the libraries keep only the
+2. **Kernel pruning.** See :mod:`harness.fatbin`: the libraries keep only the
    device code the target GPU loads, so they work on that architecture only.
+
+FlashAttention 3 travels (its library is one of :data:`KERNEL_LIBRARIES`), so
+served runs use vLLM's default attention backend on Hopper, as users do; the
+FA2 library, which Hopper does not use, does not.
 """
 
 from __future__ import annotations
@@ -102,15 +99,21 @@ DEVICE_RUNNER = Path(__file__).resolve().parent / "device_run.py"
 #: The stable-ABI kernel libraries of the release wheel that travel, pruned.
 #: ``_C`` is needed to import vLLM on CUDA at all (``platforms/cuda.py``
 #: imports it, ``w8a8_utils`` queries its ops at import); ``_moe_C`` holds the
-#: MoE kernels (Marlin MoE, topk_softmax, align/sort).
-KERNEL_LIBRARIES = ("vllm/_C_stable_libtorch.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so")
+#: MoE kernels (Marlin MoE, topk_softmax, align/sort); ``_vllm_fa3_C`` is
+#: FlashAttention 3, vLLM's default attention on Hopper (without an FA library
+#: ``vllm_flash_attn`` refuses to import, and attention falls back to Triton).
+KERNEL_LIBRARIES = (
+    "vllm/_C_stable_libtorch.abi3.so",
+    "vllm/_moe_C_stable_libtorch.abi3.so",
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+)
 
 #: Files of the release wheel that the sdist's ``vllm/`` lacks and that vLLM
 #: imports on the CUDA path. Everything else the wheel adds is left out: the
 #: other ``.so`` files (optional, imported under try/except or by their own
-#: backends), ``vllm-rs`` (the Rust frontend), ``third_party/{deep_gemm,
-#: fmha_sm100,tml_fa4}`` and ``vllm_flash_attn/{cute,layers,ops}`` (Python
-#: around libraries that do not travel).
+#: backends; FA2's library among them, unused on Hopper), ``vllm-rs`` (the
+#: Rust frontend), ``third_party/{deep_gemm,fmha_sm100,tml_fa4}`` and
+#: ``vllm_flash_attn/cute`` (FA4, for Blackwell).
 WHEEL_EXTRAS = ("vllm/third_party/triton_kernels/", "vllm/third_party/flashmla/")
 
 #: The dist-info files carried (RECORD is left out: it lists the wheel's files).
@@ -130,13 +133,6 @@ TEST_SUPPORT = (
     "tests/quantization/utils.py",
 )
 
-FLASH_ATTN_INIT = "vllm/vllm_flash_attn/__init__.py"
-FLASH_ATTN_GUARD = "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError("
-FLASH_ATTN_PATCHED = (
-    "# device bundle: the FA2/FA3 libraries do not travel; import without them\n"
-    "# and fail only when an FA function is called (harness/bundle.py).\n"
-    "if False and not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError("
-)
 
 #: manylinux tags pip may pick for the target (x86_64, glibc 2.39 image).
 MANYLINUX_PLATFORMS = (
@@ -375,23 +371,6 @@ def _wheel_metadata(wheel: Path) -> Message:
 # --------------------------------------------------------------------------- tree changes
 
 
-def patch_flash_attn_guard(source: str) -> str:
-    """Disable the ``raise ImportError`` of ``vllm_flash_attn/__init__.py`` (see module doc).
-
-    Raises:
-        HarnessError: the guard's upstream text is not there exactly once (it
-            changed, or the file is already patched): re-check the patch.
-    """
-    count = source.count(FLASH_ATTN_GUARD)
-    if count != 1:
-        raise HarnessError(
-            f"{FLASH_ATTN_INIT}: expected the flash-attention import guard "
-            f"{FLASH_ATTN_GUARD!r} exactly once, found it {count} times; the upstream "
-            f"file changed (or is already patched): re-check harness.bundle's FA patch"
-        )
-    return source.replace(FLASH_ATTN_GUARD, FLASH_ATTN_PATCHED)
-
-
 def dist_info(wheel: zipfile.ZipFile, version: str) -> dict[str, bytes]:
     """The carried ``vllm-<version>.dist-info`` files of the release wheel, by archive name.
 
@@ -432,13 +411,9 @@ def python_tree(
 ) -> dict[str, bytes]:
     """The carried Python package: the tree's ``vllm/`` + wheel extras + dist-info.
 
-    Files of the tree always win over the wheel's (the series may change them);
-    the flash-attention guard is patched.
+    Files of the tree always win over the wheel's (the series may change them).
     """
     files = {n: b for n, b in tree_files.items() if n.startswith("vllm/")}
-    if FLASH_ATTN_INIT not in files:
-        raise HarnessError(f"the tree has no {FLASH_ATTN_INIT}")
-    files[FLASH_ATTN_INIT] = patch_flash_attn_guard(files[FLASH_ATTN_INIT].decode()).encode()
     for name, data in wheel_extras(wheel).items():
         files.setdefault(name, data)
     files.update(dist_info(wheel, version))
@@ -780,7 +755,6 @@ def _assemble(
             "archive": "vllm-py.tar.xz",
             "files": len(members),
             "dist_info": f"vllm-{version}.dist-info",
-            "patched": [FLASH_ATTN_INIT],
         }
 
         kernels = []

@@ -289,6 +289,24 @@ def server_facts(log_text: str) -> dict[str, list[float]]:
     return replay.log_facts(log_text, FACTS)
 
 
+#: vLLM's attention-backend choice (chosen, or named by --attention-backend), and
+#: FlashAttention's version.
+ATTENTION = re.compile(
+    r"Using (?:AttentionBackendEnum\.)?(\w+) (?:attention backend out of|backend\.)"
+)
+FA_VERSION = re.compile(r"Using FlashAttention version (\d+)")
+
+
+def attention_backend(log_text: str) -> str:
+    """The attention backend a server log says it used (``FLASH_ATTN (FA3)``), or
+    ``not logged``."""
+    found = ATTENTION.findall(log_text)
+    if not found:
+        return "not logged"
+    version = FA_VERSION.findall(log_text)
+    return found[-1] + (f" (FA{version[-1]})" if version else "")
+
+
 # --- the runner -----------------------------------------------------------------------------------
 
 
@@ -438,6 +456,7 @@ class Runner:
                 "outcome": "runs" if state == "ok" else "does not run",
                 "startup_s": startup_s,
                 "facts": server_facts(text),
+                "attention_backend": attention_backend(text),
                 "server_log": str(server.log),
             }
             if state != "ok":

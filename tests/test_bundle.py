@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness import bundle, device_run, e2e, fatbin, results
-from harness.project import REPO, HarnessError, Project
+from harness.project import HarnessError, Project
 
 CommitFn = Callable[[str, dict[str, str]], str]  # the conftest's `commit` fixture
 
@@ -157,56 +157,6 @@ def test_prune_refuses_non_cuda_and_targetless_libraries(tmp_path: Path) -> None
         fatbin.prune(blackwell, tmp_path / "out.so", 90)
 
 
-# --------------------------------------------------------------------------- FA guard
-
-FA_INIT = """from .flash_attn_interface import FA2_AVAILABLE, FA3_AVAILABLE
-
-if not (FA2_AVAILABLE or FA3_AVAILABLE):
-    raise ImportError(
-        "vllm.vllm_flash_attn requires the CUDA flash attention extensions"
-    )
-
-__all__ = ["FA2_AVAILABLE"]
-"""
-
-
-def _exec_fa_init(source: str) -> None:
-    code = source.replace("from .flash_attn_interface import", "# ")
-    exec(compile(code, "fa_init", "exec"), {"FA2_AVAILABLE": False, "FA3_AVAILABLE": False})
-
-
-def test_flash_attn_guard_patch_applies_exactly_once() -> None:
-    with pytest.raises(ImportError):
-        _exec_fa_init(FA_INIT)
-    patched = bundle.patch_flash_attn_guard(FA_INIT)
-    _exec_fa_init(patched)  # imports without the FA libraries now
-    assert patched.count("if False and not (FA2_AVAILABLE or FA3_AVAILABLE):") == 1
-    with pytest.raises(HarnessError, match="found it 0 times"):
-        bundle.patch_flash_attn_guard(patched)  # never twice
-
-
-@pytest.mark.parametrize(
-    "changed",
-    [
-        FA_INIT.replace("FA2_AVAILABLE or FA3_AVAILABLE", "FA2_AVAILABLE or FA3_AVAILABLE or X"),
-        FA_INIT.replace("    raise ImportError(", "    raise RuntimeError("),
-        FA_INIT + FA_INIT,
-    ],
-)
-def test_flash_attn_guard_patch_fails_loudly_when_upstream_changes(changed: str) -> None:
-    with pytest.raises(HarnessError, match="re-check"):
-        bundle.patch_flash_attn_guard(changed)
-
-
-REAL_FA_INIT = REPO / ".work" / "vllm" / bundle.FLASH_ATTN_INIT
-
-
-@pytest.mark.skipif(not REAL_FA_INIT.exists(), reason="the pinned vLLM tree is not materialized")
-def test_flash_attn_guard_patch_matches_the_pinned_tree() -> None:
-    patched = bundle.patch_flash_attn_guard(REAL_FA_INIT.read_text())
-    ast.parse(patched)
-
-
 # --------------------------------------------------------------------------- wheel + tree
 
 VERSION = "1.0.0"
@@ -241,7 +191,6 @@ def release_wheel(path: Path, version: str = VERSION, kernels: bytes | None = No
 TREE_VLLM = {
     "vllm/__init__.py": b"FROM_TREE = True\n",
     "vllm/layer.py": b"X = 1\n",
-    bundle.FLASH_ATTN_INIT: FA_INIT.encode(),
 }
 
 
@@ -249,7 +198,6 @@ def test_python_tree_takes_tree_files_wheel_extras_and_dist_info(tmp_path: Path)
     with zipfile.ZipFile(release_wheel(tmp_path / "w.whl")) as wheel:
         files = bundle.python_tree({**TREE_VLLM, "tests/t.py": b""}, wheel, VERSION)
     assert files["vllm/__init__.py"] == b"FROM_TREE = True\n"  # the series wins
-    assert b"if False and not" in files[bundle.FLASH_ATTN_INIT]
     assert "vllm/third_party/triton_kernels/target_info.py" in files
     assert "vllm/third_party/flashmla/flash_mla_interface.py" in files
     for absent in (
@@ -432,7 +380,6 @@ def ready(project: Project, commit: CommitFn, tmp_path: Path) -> Project:
     commit(
         "[Kernel] Add a device test",
         {
-            bundle.FLASH_ATTN_INIT: FA_INIT,
             "tests/__init__.py": "",
             "tests/kernels/__init__.py": "",
             "tests/kernels/test_device.py": TEST_FILE,
@@ -467,6 +414,7 @@ def test_build_writes_manifest_provenance_and_archives(ready: Project, tmp_path:
             "tests.tar.xz",
             "kernels-_C_stable_libtorch.tar.xz",
             "kernels-_moe_C_stable_libtorch.tar.xz",
+            "kernels-_vllm_fa3_C.tar.xz",
             "wheels/tinydep-1.0-py3-none-any.whl",
         ]
     )
@@ -488,11 +436,10 @@ def test_build_writes_manifest_provenance_and_archives(ready: Project, tmp_path:
     assert prov["contents"]["tests"]["series"] == ["tests/kernels/test_device.py"]
     assert prov["contents"]["wheels"]["carried"] == ["tinydep-1.0-py3-none-any.whl"]
     kernels = prov["contents"]["kernels"]
-    assert [k["pruned"]["kept_images"] for k in kernels] == [2, 2]
+    assert [k["pruned"]["kept_images"] for k in kernels] == [2, 2, 2]
+    assert [k["name"] for k in kernels] == list(bundle.KERNEL_LIBRARIES)
     with tarfile.open(out / "vllm-py.tar.xz") as tar:
         members = tar.getnames()
-        init = tar.extractfile(bundle.FLASH_ATTN_INIT)
-        assert init is not None and b"if False and not" in init.read()
     assert "vllm-1.0.0.dist-info/METADATA" in members
     assert "vllm/third_party/triton_kernels/target_info.py" in members
     with tarfile.open(out / "tests.tar.xz") as tar:

@@ -651,3 +651,15 @@ def test_a_server_that_does_not_start_is_a_result(
     assert e2e.summarize(out)["not_measured"] == [
         "decode-skewed-pool-c1", "ttft-skewed-pool-in100",
     ]  # fmt: skip
+
+
+def test_the_attention_backend_each_server_used_comes_from_its_log() -> None:
+    fa3 = (
+        "INFO [cuda.py:550] Using FLASH_ATTN attention backend out of potential backends: "
+        "['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN'].\n"
+        "INFO [flash_attn.py:1132] Using FlashAttention version 3\n"
+    )
+    assert e2e.attention_backend(fa3) == "FLASH_ATTN (FA3)"
+    chosen = "INFO [cuda.py:489] Using AttentionBackendEnum.TRITON_ATTN backend.\n"
+    assert e2e.attention_backend(chosen) == "TRITON_ATTN"
+    assert e2e.attention_backend("INFO nothing about attention\n") == "not logged"
