@@ -14,11 +14,13 @@ from one git revision of the materialized vLLM tree:
    :data:`DEFAULT_FORMATS`: NVFP4 with bf16 and fp16, FP8, GPTQ int4 and AWQ
    int4 with fp16, MXFP4 and MXFP8 with bf16: the formats and activation
    types of vLLM's own Marlin MoE tests on sm_90 except GPTQ int8 and the
-   8-bit activations);
+   8-bit activations of releases that have them);
 3. the translation units compiled with ``nvcc``/``g++`` for one GPU
    architecture, at most ``jobs`` at a time: one per generated kernel file,
    ``ops.cu``, ``gptq_marlin_repack.cu`` and the op schemas in
-   ``harness/kernels_binding.cpp``;
+   ``harness/kernels_binding.cpp``, in the form of the tree's release
+   (:func:`schema_defines`: 0.33.0's ops take 8-bit activation arguments that
+   0.34.0 removed);
 4. one link into ``lib<namespace>.so`` plus a ``lib<namespace>.json`` manifest.
 
 The ops register as ``torch.ops.<namespace>.moe_wna16_marlin_gemm`` and
@@ -60,6 +62,7 @@ MOE_DIR = "csrc/moe/marlin_moe_wna16"
 GENERATOR = "csrc/quantization/marlin/generate_kernels.py"
 REPACK_SOURCE = "csrc/quantization/marlin/gptq_marlin_repack.cu"
 KERNEL_GLOB = "sm*_kernel_*.cu"
+OPS_SOURCE = f"{MOE_DIR}/ops.cu"
 
 #: Weight formats built by default (:mod:`harness.marlin_generate` syntax).
 DEFAULT_FORMATS = (
@@ -345,6 +348,21 @@ def common_nvcc_flags(
     return flags + gencode(arch)
 
 
+def schema_defines(src: Path) -> list[str]:
+    """``-D`` flags that give ``kernels_binding.cpp`` the op schemas of the tree.
+
+    Read from the sources rather than a version: vLLM 0.33.0's
+    ``moe_wna16_marlin_gemm`` takes ``a_scales`` (8-bit activations) and its
+    ``gptq_marlin_repack`` takes ``is_a_8bit``; 0.34.0 removed both.
+    """
+    flags = []
+    if re.search(r"\ba_scales\b", (src / OPS_SOURCE).read_text(errors="replace")):
+        flags.append("-DHARNESS_GEMM_A_SCALES")
+    if re.search(r"\bis_a_8bit\b", (src / REPACK_SOURCE).read_text(errors="replace")):
+        flags.append("-DHARNESS_REPACK_IS_A_8BIT")
+    return flags
+
+
 def kernel_units(src: Path) -> list[Path]:
     """The generated kernel translation units of an exported tree, sorted by name."""
     return sorted((src / MOE_DIR).glob(KERNEL_GLOB))
@@ -360,12 +378,13 @@ def compile_steps(
     units: Sequence[Path] = (),
     ptxas_verbose: bool = False,
     extra_include: Path | None = None,
+    binding_defines: Sequence[str] = (),
 ) -> list[Step]:
     """The compiler invocations; ``src`` is the exported tree (holding ``csrc``).
 
     One ``kernels-<file stem>`` step per kernel unit in ``units`` (the files
     the generator wrote, :func:`kernel_units`), then ``ops``, ``repack`` and
-    ``binding``.
+    ``binding`` (with ``binding_defines``, :func:`schema_defines`).
     """
     nvcc = [str(tc.nvcc), *common_nvcc_flags(tc, src, arch, extra_include)]
     moe_ns = [f"-DMARLIN_NAMESPACE_NAME=marlin_moe_wna16_{namespace}", f"-D_moe_C={namespace}"]
@@ -417,6 +436,7 @@ def compile_steps(
                 "-DUSE_CUDA",
                 f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}",
                 f"-DHARNESS_OPS_NAMESPACE={namespace}",
+                *binding_defines,
                 f"-I{tc.torch_dir / 'include'}",
                 "-c",
                 str(BINDING_SOURCE),
@@ -578,6 +598,7 @@ def build_kernels(
     commit = export_sources(tree, rev, src)
     progress(f"building lib{namespace}.so from {rev} ({commit[:12]}) for sm_{target}")
     units = generate(tc, src, target, formats)
+    defines = schema_defines(src)
     shim = None
     if tc.cuda_include is not None:
         shim = library_header_shim(tc.cuda_include, toolkit_include(tc.nvcc), build / "include")
@@ -590,6 +611,7 @@ def build_kernels(
         units=units,
         ptxas_verbose=ptxas_verbose,
         extra_include=shim,
+        binding_defines=defines,
     )
     jobs = jobs or os.cpu_count() or 1
     run_parallel(steps, build, jobs)
@@ -604,6 +626,7 @@ def build_kernels(
         "sha256": sha256_file(library),
         "namespace": namespace,
         "ops": [f"{namespace}::moe_wna16_marlin_gemm", f"{namespace}::gptq_marlin_repack"],
+        "schema_defines": defines,
         "rev": rev,
         "commit": commit,
         "formats": list(formats),

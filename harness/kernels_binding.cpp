@@ -9,6 +9,12 @@
 // gptq_marlin_repack.cu register their CUDA implementations under the same
 // namespace through -D_moe_C=<ns> and -D_C=<ns>. The schema strings must stay
 // identical to vLLM's so that callers can pass the same arguments.
+//
+// They differ between releases: vLLM 0.33.0 has 8-bit activations (an
+// `a_scales` argument of the GEMM and `is_a_8bit` of the repack), which 0.34.0
+// removed. harness/kernels.py reads the tree's ops.cu and
+// gptq_marlin_repack.cu and defines HARNESS_GEMM_A_SCALES and
+// HARNESS_REPACK_IS_A_8BIT for a tree that has them.
 
 #include <torch/csrc/stable/library.h>
 
@@ -24,8 +30,11 @@ HARNESS_STABLE_LIBRARY(HARNESS_OPS_NAMESPACE, m) {
   m.def(
       "moe_wna16_marlin_gemm(Tensor! a, Tensor? c_or_none,"
       "Tensor! b_q_weight, Tensor? b_bias_or_none,"
-      "Tensor! b_scales, Tensor? a_scales, Tensor? global_scale, Tensor? "
-      "b_zeros_or_none,"
+      "Tensor! b_scales, "
+#ifdef HARNESS_GEMM_A_SCALES
+      "Tensor? a_scales, "
+#endif
+      "Tensor? global_scale, Tensor? b_zeros_or_none,"
       "Tensor! workspace,"
       "Tensor sorted_token_ids,"
       "Tensor! expert_ids, Tensor! num_tokens_past_padded,"
@@ -36,7 +45,11 @@ HARNESS_STABLE_LIBRARY(HARNESS_OPS_NAMESPACE, m) {
       "int thread_k, int thread_n, int blocks_per_sm) -> Tensor");
   m.def(
       "gptq_marlin_repack(Tensor b_q_weight, "
-      "SymInt size_k, SymInt size_n, int num_bits, bool is_a_8bit) -> Tensor");
+      "SymInt size_k, SymInt size_n, int num_bits"
+#ifdef HARNESS_REPACK_IS_A_8BIT
+      ", bool is_a_8bit"
+#endif
+      ") -> Tensor");
   // Added by the series' commit 0006; ops.cu implements it from that commit on.
   // Defined for every revision so a base build loads too (schema only there).
   m.def(

@@ -7,8 +7,9 @@ owns the torch headers (the generator needs ``jinja2``, which torch brings)::
 
 vLLM's ``csrc/quantization/marlin/generate_kernels.py`` reads its target
 architectures and output folder from ``sys.argv`` at import time and emits
-about 1200 Marlin MoE instantiations. This wrapper loads it by path, keeps only
-the entries of the requested weight formats with 16-bit activations, narrows
+about 700 (0.34.0) to 1200 (0.33.0) Marlin MoE instantiations. This wrapper
+loads it by path, keeps only the entries of the requested weight formats with
+16-bit activations (0.33.0 also lists 8-bit ones, 0.34.0 does not), narrows
 each to the requested activation types, and lets the generator write the kernel
 translation units and the matching ``kernel_selector.h``. Everything else about
 an entry (tiles, group sizes, and on trees that have it the ``b_64bit_offsets``
@@ -60,7 +61,8 @@ def parse_format(spec: str) -> tuple[str, list[str] | None]:
 def select(configs: list[dict[str, Any]], specs: list[str]) -> list[dict[str, Any]]:
     """The generator entries for ``specs``, narrowed to their activation types.
 
-    Entries with 8-bit activations (``kS8``, ``kFE4M3fn``) are never kept. Raises
+    Entries with 8-bit activations (``kS8``, ``kFE4M3fn``; generators before
+    vLLM 0.34.0 have them) are never kept. Raises
     ``ValueError`` when a format matches no entry or no requested activation.
     """
     selected = []

@@ -7,9 +7,9 @@ of every generated kernel unit to ``<out>/build-<namespace>/kernels.log``.
 addressing form; :func:`compare` lines two builds up and lists the
 instantiations whose blocks per SM differ.
 
-Blocks per SM are those that vLLM 0.33.0's ``determine_exec_config``
-(``csrc/moe/marlin_moe_wna16/ops.cu``) derives from the register count when
-the op picks the tile itself::
+Blocks per SM are those that ``determine_exec_config`` of vLLM 0.33.0 and
+0.34.0 (``csrc/moe/marlin_moe_wna16/ops.cu``, the same rule in both) derives
+from the register count when the op picks the tile itself::
 
     min(255 * 1024 // (regs * num_threads * 4), cap),  cap = 4 if m_blocks == 1 else 2
 

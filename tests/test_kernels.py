@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -216,3 +219,81 @@ def test_build_refuses_bad_namespace_before_anything(tmp_path: Path) -> None:
         kernels.build_kernels(project, rev="series", namespace="_moe_C", arch="9.0")
     with pytest.raises(HarnessError, match="no vLLM tree"):
         kernels.build_kernels(project, rev="series", namespace="ok_ns", arch="9.0")
+
+
+def _tree(tmp_path: Path, ops: str, repack: str) -> Path:
+    src = tmp_path / "src"
+    (src / kernels.MOE_DIR).mkdir(parents=True)
+    (src / kernels.OPS_SOURCE).write_text(ops)
+    (src / kernels.REPACK_SOURCE).parent.mkdir(parents=True)
+    (src / kernels.REPACK_SOURCE).write_text(repack)
+    return src
+
+
+def test_schema_defines_follow_the_tree(tmp_path: Path) -> None:
+    # vLLM 0.33.0: 8-bit activations (a_scales, is_a_8bit); 0.34.0: neither.
+    old = _tree(
+        tmp_path / "old",
+        "  torch::stable::Tensor a_scales;\n",
+        "    int64_t num_bits, bool is_a_8bit) {\n",
+    )
+    assert kernels.schema_defines(old) == [
+        "-DHARNESS_GEMM_A_SCALES",
+        "-DHARNESS_REPACK_IS_A_8BIT",
+    ]
+    new = _tree(tmp_path / "new", "const float* b_scales_ptr;\n", "int64_t num_bits) {\n")
+    assert kernels.schema_defines(new) == []
+
+
+def test_compile_steps_pass_schema_defines_to_the_binding_only(tmp_path: Path) -> None:
+    tc = _toolchain(tmp_path)
+    steps = {
+        s.name: s
+        for s in kernels.compile_steps(
+            tc,
+            tmp_path / "src",
+            tmp_path / "obj",
+            "marlin_x",
+            "90",
+            binding_defines=["-DHARNESS_GEMM_A_SCALES"],
+        )
+    }
+    assert "-DHARNESS_GEMM_A_SCALES" in steps["binding"].argv
+    assert "-DHARNESS_GEMM_A_SCALES" not in steps["ops"].argv
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the preprocessor")
+@pytest.mark.parametrize(
+    ("defines", "a_scales", "is_a_8bit"),
+    [([], False, False), (["-DHARNESS_GEMM_A_SCALES", "-DHARNESS_REPACK_IS_A_8BIT"], True, True)],
+)
+def test_binding_schemas_per_release(
+    tmp_path: Path, defines: list[str], a_scales: bool, is_a_8bit: bool
+) -> None:
+    # Preprocess the binding with a stand-in library.h and join the schema
+    # literals: 0.34.0's schemas without the 8-bit arguments, 0.33.0's with.
+    stub = tmp_path / "torch" / "csrc" / "stable"
+    stub.mkdir(parents=True)
+    (stub / "library.h").write_text("#define STABLE_TORCH_LIBRARY(ns, m) void f(M m)\n")
+    proc = subprocess.run(
+        [
+            "g++",
+            "-E",
+            "-P",
+            f"-I{tmp_path}",
+            "-DHARNESS_OPS_NAMESPACE=ns",
+            *defines,
+            str(kernels.BINDING_SOURCE),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    schemas = re.findall(r'"((?:[^"\\]|\\.)*)"', proc.stdout)
+    text = "".join(schemas)
+    gemm = text[text.index("moe_wna16_marlin_gemm(") : text.index("-> Tensor") + 9]
+    assert ("Tensor? a_scales," in gemm) is a_scales
+    assert "Tensor! b_scales, " in gemm and "Tensor? global_scale, Tensor? b_zeros_or_none," in gemm
+    repack = text[text.index("gptq_marlin_repack(") :]
+    repack = repack[: repack.index("-> Tensor")]
+    assert repack.endswith("int num_bits, bool is_a_8bit) " if is_a_8bit else "int num_bits) ")

@@ -1,13 +1,14 @@
 """harness.ptxas: the ptxas-report parser, blocks per SM, stock/fixed comparison.
 
-The last test compares real builds: the stock (``v0.33.0``) and fixed
-(``series``) Marlin MoE kernels must give every instantiation the same blocks
-per SM. It reads the ``-Xptxas -v`` logs of ``python -m harness kernels
---ptxas-verbose`` builds when they exist for the tree's current revisions;
-with ``VLLM_SERIES_PTXAS_BUILD=1`` it builds NVFP4/bf16 subsets itself (about
-5 minutes on 2 cores, too long for every ``nox``). That needs nvcc, a CUDA build
+The last test compares real builds: the stock (the selected release's tag,
+``v0.34.0`` for ``[base]``) and fixed (``series``) Marlin MoE kernels must
+give every instantiation the same blocks per SM. It reads the ``-Xptxas -v``
+logs of ``python -m harness kernels --ptxas-verbose`` builds when they exist
+for the tree's current revisions; with ``VLLM_SERIES_PTXAS_BUILD=1`` it builds
+NVFP4/bf16 subsets itself (about 5 minutes on 2 cores, too long for every
+``nox``). That needs nvcc, a CUDA build
 of torch and the vLLM tree; the test is skipped with the reason when one is
-missing. It passed here with the opt-in build (2026-12-01, 285 s).
+missing. It passed here with the opt-in build on v0.33.0 (2026-12-01, 285 s).
 """
 
 from __future__ import annotations
@@ -162,19 +163,20 @@ def test_stock_and_fixed_blocks_per_sm_equal(tmp_path: Path) -> None:
     tree = project.tree
     if not (tree / ".git").exists():
         pytest.skip(f"no vLLM tree at {tree} (python -m harness apply)")
-    csrc = {rev: _csrc_tree(tree, rev) for rev in ("v0.33.0", "series")}
+    base = project.pin.release.tag  # the stock kernels: the release the tree is on
+    csrc = {rev: _csrc_tree(tree, rev) for rev in (base, "series")}
     if None in csrc.values():
-        pytest.skip(f"the tree lacks v0.33.0 or series: {csrc}")
+        pytest.skip(f"the tree lacks {base} or series: {csrc}")
     out = Path(os.environ.get("VLLM_SERIES_PTXAS_DIR", project.work / "kernels"))
     logs = {
-        "v0.33.0": _current_log(tree, out, "marlin_base", str(csrc["v0.33.0"])),
+        base: _current_log(tree, out, "marlin_base", str(csrc[base])),
         "series": _current_log(tree, out, "marlin_series", str(csrc["series"])),
     }
     if None in logs.values():
         if not os.environ.get("VLLM_SERIES_PTXAS_BUILD"):
             # Two subset builds take about 5 minutes on 2 cores: too long for every `nox`.
             pytest.skip(
-                "no ptxas logs of the current v0.33.0 and series kernels in "
+                f"no ptxas logs of the current {base} and series kernels in "
                 f"{out}: build them with `python -m harness kernels --ptxas-verbose`, "
                 "or set VLLM_SERIES_PTXAS_BUILD=1 to let this test build NVFP4 subsets"
             )
@@ -186,7 +188,7 @@ def test_stock_and_fixed_blocks_per_sm_equal(tmp_path: Path) -> None:
         except Exception as exc:  # no torch with headers, no compiler
             pytest.skip(f"cannot build the kernels here: {exc}")
         # Both from the same format subset, so that they line up.
-        for rev, namespace in (("v0.33.0", "ptx_base"), ("series", "ptx_series")):
+        for rev, namespace in ((base, "ptx_base"), ("series", "ptx_series")):
             kernels.build_kernels(
                 project,
                 rev=rev,
@@ -198,8 +200,8 @@ def test_stock_and_fixed_blocks_per_sm_equal(tmp_path: Path) -> None:
                 formats=("nvfp4:bf16",),
             )
             logs[rev] = tmp_path / f"build-{namespace}" / "kernels.log"
-    assert logs["v0.33.0"] is not None and logs["series"] is not None
-    stock = ptxas.parse(logs["v0.33.0"])
+    assert logs[base] is not None and logs["series"] is not None
+    stock = ptxas.parse(logs[base])
     fix = ptxas.parse(logs["series"])
     cmp = ptxas.compare(stock, fix)
     assert not cmp.only_reference, cmp.only_reference
