@@ -8,7 +8,7 @@
 #   2. the 32 GiB bound on dense banks: stock at 8193 and 16385 rows (fault,
 #      silent wrong read), fixed at 8193, 12000, 16385 and 20000 rows
 #      (scripts/marlin_bound.py);
-#   3. vLLM 0.33.0's own Marlin MoE test cases (tests/kernels/moe/test_moe.py)
+#   3. the base release's own Marlin MoE test cases (tests/kernels/moe/test_moe.py)
 #      with moe_wna16_marlin_gemm redirected to the fixed subset build
 #      (harness/marlin_pytest.py), then the series' kernel tests (capability
 #      query, sparse > 32 GiB banks on virtual memory, format without 64-bit

@@ -63,6 +63,13 @@ class Expert:
     weight: torch.Tensor  # (N, K) float32 dequantized, on the CPU
 
 
+def optional(op: Any, name: str, value: object) -> list[object]:
+    """``[value]`` when the op's schema has argument ``name``, else ``[]``: vLLM 0.33.0's
+    Marlin ops take 8-bit-activation arguments (``a_scales``, ``is_a_8bit``) that
+    0.34.0 removed, and the standalone builds follow the tree they are built from."""
+    return [value] if any(a.name == name for a in op.default._schema.arguments) else []
+
+
 def make_expert(ops: Any, size_n: int, size_k: int, seed: int) -> Expert:
     """A random NVFP4 expert prepared like vLLM's NVFP4 Marlin loader does."""
     gen = torch.Generator().manual_seed(seed)
@@ -74,8 +81,9 @@ def make_expert(ops: Any, size_n: int, size_k: int, seed: int) -> Expert:
     codes = torch.stack([packed & 0xF, packed >> 4], -1).reshape(size_n, size_k)
     weight = FP4_TABLE[codes.long()] * scales.float().repeat_interleave(GROUP, 1) * gscale
     qweight = ops.gptq_marlin_repack(
-        packed.view(torch.int32).T.contiguous().cuda(), size_k, size_n, 4, False
-    )
+        packed.view(torch.int32).T.contiguous().cuda(), size_k, size_n, 4,
+        *optional(ops.gptq_marlin_repack, "is_a_8bit", False),
+    )  # fmt: skip
     s = scales.T.to(torch.half).reshape(-1, 64)[:, SCALE_PERM].reshape(-1, size_n)
     s = s.contiguous().view(-1, 4)[:, [0, 2, 1, 3]].reshape(s.shape[0], -1) * 2**7
     s[s < 2] = 0
@@ -147,8 +155,10 @@ def gemm(
     size_n = scales.shape[2]
     if topk_weights is None:
         topk_weights = torch.ones((size_m, routing.top_k), dtype=torch.float32, device="cuda")
-    return ops.moe_wna16_marlin_gemm(
-        x, out, qweight, None, scales, None, global_scale, None, workspace,
+    op = ops.moe_wna16_marlin_gemm
+    return op(
+        x, out, qweight, None, scales, *optional(op, "a_scales", None), global_scale, None,
+        workspace,
         routing.sorted_token_ids, routing.expert_ids, routing.num_tokens_past_padded,
         topk_weights, routing.block_size, routing.top_k, False, b_type_id,
         size_m, size_n, size_k, False, True, False, thread_k, thread_n, blocks_per_sm,
