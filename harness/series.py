@@ -315,6 +315,31 @@ def _apply_and_record(
     return results
 
 
+def borrow_objects(project: Project, tree: Path) -> list[str]:
+    """Fetch the ``series`` branch of every other release tree in the work area into
+    ``tree`` (as ``refs/borrowed/<release>``); return the releases borrowed from.
+
+    ``git am --3way`` falls back on the blobs a patch was made from. Patches made
+    on one release and applied on another (a rebase onto a new release, or a
+    backport) find those blobs in that release's tree, when it is materialized:
+    without them git can only say that the repository "lacks the necessary blobs".
+    """
+    root = project.work if project.vllm is None else project.work.parent.parent
+    trees = {project.pin.default.version: root / "vllm"}
+    trees |= {p.name: p / "vllm" for p in sorted((root / "releases").glob("*"))}
+    borrowed = []
+    for version, other in trees.items():
+        if other.resolve() == tree.resolve() or not (other / ".git").exists():
+            continue
+        fetched = git(
+            tree, "fetch", "--no-tags", "-q", str(other),
+            f"+refs/heads/series:refs/borrowed/{version}", check=False,
+        )  # fmt: skip
+        if fetched.returncode == 0:
+            borrowed.append(version)
+    return borrowed
+
+
 def apply(project: Project, only: Sequence[Path] | None = None) -> list[PatchResult]:
     """``python -m harness apply``: rebuild the ``series`` branch from the base and apply.
 
@@ -327,6 +352,7 @@ def apply(project: Project, only: Sequence[Path] | None = None) -> list[PatchRes
     _ensure_on_series(tree, project.pin.release.tag)
     ensure_nothing_lost(project, tree, base)
     git(tree, "reset", "-q", "--hard", base)
+    borrow_objects(project, tree)
     patches = list(only) if only is not None else series_files(project)
     names = [p.name for p in patches] if only is not None else None
     results = _apply_and_record(project, tree, patches, [], names)

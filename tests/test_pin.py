@@ -176,3 +176,20 @@ def test_pin_is_a_command(capsys, monkeypatch) -> None:
     monkeypatch.setattr(pinning, "newer_releases", lambda project: ["9.9.9"])
     assert cli.main(["pin", "--newer"]) == 1
     assert "9.9.9" in capsys.readouterr().out
+
+
+def test_apply_on_another_release_borrows_the_blobs_a_3way_merge_needs(
+    project: Project, commit
+) -> None:
+    layer = (project.tree / "vllm/layer.py").read_text().replace("line 5\n", "line five\n")
+    commit("[Core] Change layer", {"vllm/layer.py": layer})
+    series.export(project)
+    # the release moved a line of the hunk's context: only a 3-way merge applies it
+    moved = FILES["vllm/layer.py"].replace("line 3\n", "line three\n")
+    release = pin_release(project, "1.1.0", {**FILES, "vllm/layer.py": moved})
+    (result,) = series.apply(release)
+    assert result.outcome.value == "3way"
+    assert (release.tree / "vllm/layer.py").read_text().count(
+        "line three\nline 4\nline five\n"
+    ) == 1
+    assert series.borrow_objects(release, release.tree) == ["1.0.0"]
