@@ -253,7 +253,7 @@ def render_which_flag(project: Project) -> str:
     lines += [
         "",
         f"Conditions: vLLM {each(lambda p: p['base']['version'])}, series {hashes} (the "
-        f"newest run of each cell; [results/e2e/matrix.md](results/e2e/matrix.md) names it); "
+        f"newest run of each cell; `results/e2e/matrix.md` names it); "
         f"one {each(lambda p: p['gpu'])}, driver {each(lambda p: p['driver'])}, CUDA "
         f"{each(lambda p: p['cuda'])}, torch {each(lambda p: p['torch'])}, {attention} "
         f"attention, {compiled}; synthetic NVFP4 model ({model}; Marlin), {budget} of "
@@ -272,7 +272,7 @@ RENDERERS: dict[str, Callable[[Project], str]] = {
     "which-flag": render_which_flag,
 }
 
-DOCUMENTS = ("SERIES.md", "results/README.md", "README.md")
+DOCUMENTS = ("SERIES.md", "results/README.md", "README.md", "results/e2e/README.md")
 
 #: The pool's user guide: this project's page and its copy in the patched vLLM tree.
 GUIDE = "docs/expert-pool.md"
