@@ -145,3 +145,39 @@ def test_an_opening_without_a_table_is_caught(tmp_path):
     (tmp_path / "results/README.md").write_text("# R\n\n| x |\n| --- |\n\nConditions: H200\n")
     (tmp_path / "results/a/README.md").write_text("# A\n\n## Run 1\n\n| x |\n| --- |\n")
     assert openings_without_headline(tmp_path) == ["results/a/README.md"]
+
+
+# --- the user guide and its copy in 0001 ---------------------------------------------------------
+
+
+def test_guide_drift_compares_the_page_with_the_trees_copy(project):
+    guide = project.root / document.GUIDE
+    guide.parent.mkdir(parents=True, exist_ok=True)
+    page = "# Pool\n\nUse it.\n"
+    guide.write_text(page + f"\n{document.GUIDE_PROJECT_ONLY}\n\nProject notes.\n")
+    assert document.guide_drift(project) == []  # the tree has no copy yet
+    copy = project.tree / document.GUIDE_IN_TREE
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_text(page)
+    assert document.guide_drift(project) == []  # the project-only tail is not compared
+    copy.write_text(page.replace("Use it.", "Use it often."))
+    assert document.guide_drift(project) == [
+        f"{document.GUIDE} and the tree's {document.GUIDE_IN_TREE} differ from line 3: copy "
+        f"the page into 0001 (everything above {document.GUIDE_PROJECT_ONLY!r}) or bring the "
+        "change back"
+    ]
+    copy.write_text(page + "More.\n")
+    assert document.guide_drift(project) != []
+
+
+def test_the_guide_is_a_vllm_page_above_its_project_only_part():
+    """The part meant for vLLM links to no file of this project and has vLLM's sections."""
+    page = document.guide_for_vllm((ROOT / document.GUIDE).read_text())
+    assert document.GUIDE_PROJECT_ONLY in (ROOT / document.GUIDE).read_text()
+    assert re.findall(r"\]\((?!#|https?://)[^)]*\)", page) == []
+    assert not re.search(r"results/|harness|\bseed\b", page)
+    headings = re.findall(r"^## (.+)$", page, re.M)
+    order = ["When to use it", "Requirements", "Enabling the expert pool", "Sizing", "Metrics",
+             "Limitations"]  # fmt: skip
+    assert [h for h in headings if h in order] == order
+    assert "vllm serve" in page and "LLM(" in page
