@@ -225,11 +225,11 @@ def render_which_flag(project: Project) -> str:
     def each(get: Callable[[dict[str, Any]], str]) -> str:
         return " and ".join(dict.fromkeys(get(p) for p in provs))
 
-    compiled = each(
-        lambda p: "no torch.compile"
-        if p.get("env", {}).get("TORCH_COMPILE_DISABLE") == "1"
-        else "torch.compile"
-    )
+    def compile_mode(prov: dict[str, Any]) -> str:
+        off = prov.get("env", {}).get("TORCH_COMPILE_DISABLE") == "1"
+        return "no torch.compile" if off else "torch.compile"
+
+    compiled = each(compile_mode)
     profile = e2e.load_profiles()[WHICH_FLAG_PROFILE]
     backend = str(profile.server.get("attention_backend", ""))
     attention = _ATTENTION.get(backend, backend or "vLLM's default")

@@ -89,7 +89,7 @@ def disagreements(text: str) -> list[str]:
     problems = [f"{name}: in the parser, not in README" for name in parsers.keys() - rows.keys()]
     problems += [f"{name}: in README, not in the parser" for name in rows.keys() - parsers.keys()]
     for name in rows.keys() & parsers.keys():
-        usage, what = rows[name]
+        usage = rows[name][0]
         options = {o for a in parsers[name]._actions for o in a.option_strings}
         problems += [
             f"{name}: README names {opt}, which it does not take"
