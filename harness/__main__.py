@@ -265,17 +265,25 @@ def parser() -> argparse.ArgumentParser:
     add(
         "check",
         _cmd_check,
-        "apply + export reproduces patches/ byte for byte, standalone commits apply "
-        "alone on their stated base, SERIES.md is up to date",
+        "apply + export reproduces patches/ byte for byte, each commit applies alone on "
+        "its stated base, result files are well-formed, generated blocks are current, and "
+        "docs/expert-pool.md matches the tree's docs/features/moe_expert_pool.md",
     )
-    add("doc", _cmd_doc, "regenerate SERIES.md's generated blocks")
+    add(
+        "doc",
+        _cmd_doc,
+        "rewrite the generated blocks of README.md (Which flag), SERIES.md (header, "
+        "commits, revision matrix), results/README.md (claims, Which flag) and "
+        "results/e2e/README.md (Which flag)",
+    )
     kernels.add_arguments(
         add(
             "kernels",
             kernels.command,
-            "build the Marlin MoE ops the series changes (NVFP4, bf16) from one revision "
-            "of the tree, for one GPU architecture, under their own op namespace, so a "
-            "stock and a patched build load side by side (minutes, offline)",
+            "build the Marlin MoE ops the series changes from one revision of the tree, for "
+            "one GPU architecture and a few weight formats (default formats: NVFP4, FP8, "
+            "GPTQ int4, AWQ int4, MXFP4, MXFP8), under their own op namespace, so a stock "
+            "and a patched build load side by side (minutes, offline)",
         )
     )
     bnd = add(
@@ -328,7 +336,8 @@ def parser() -> argparse.ArgumentParser:
         "matrix",
         _cmd_matrix,
         "classify each patch on the releases listed in patches/base.toml "
-        "(clean / 3way / rebase / upstream); writes results/matrix.json and SERIES.md",
+        "(clean / 3way / rebase / upstream / blocked: a patch it requires does not apply); "
+        "writes results/matrix.json and SERIES.md",
     )
     mx.add_argument(
         "--test",
@@ -366,11 +375,17 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     r = add(
         "replay",
         _cmd_replay,
-        "replay a seed's end-to-end serving claims: start `vllm serve` from the built wheel "
-        "with a profile's arm, drive it with `vllm bench serve`, sample NVML, write one "
-        "result JSON per run (profiles: harness/data/replay_profiles.toml)",
+        "serve and benchmark the built wheel: start `vllm serve` with each arm (server "
+        "configuration) of a profile, drive it with `vllm bench serve`, sample NVML, write "
+        "one result JSON per run. ttft, decode, oom: the seeds' serving claims (profiles: "
+        "harness/data/replay_profiles.toml); e2e: the expert pool against vLLM's offload "
+        "flags (profiles: harness/data/e2e_profiles.toml); plot: draw an existing folder",
     )
-    r.add_argument("experiment", choices=["ttft", "decode", "oom", "plot", "e2e"])
+    r.add_argument(
+        "experiment",
+        choices=["ttft", "decode", "oom", "plot", "e2e"],
+        help="what to measure (see above)",
+    )
     r.add_argument(
         "--profile",
         help="profile name (default tiny-synthetic; e2e: glm-shape-h200, from "
@@ -392,7 +407,13 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     )
     r.add_argument("--port", type=int, help="server port (default: a free one)")
     e = r.add_argument_group("e2e (the pool against vLLM's UVA and prefetch offload)")
-    e.add_argument("--arms", type=_csv, default=[], help="arms, comma-separated (default all)")
+    e.add_argument(
+        "--arms",
+        type=_csv,
+        default=[],
+        help="arms, comma-separated, of resident, pool, pool-host-view, uva, prefetch "
+        "(default: all of the profile's)",
+    )
     e.add_argument("--routers", type=_csv, default=[], help="uniform,skewed (default: profile's)")
     e.add_argument("--experts", type=int, help="experts per layer (256: the 256-expert variant)")
     e.add_argument(
@@ -446,11 +467,17 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     c = add(
         "checkpoint",
         _cmd_checkpoint,
-        "write a small synthetic ModelOpt NVFP4 Qwen3-MoE checkpoint with a byte-level tokenizer",
+        "write a synthetic ModelOpt NVFP4 Qwen3-MoE checkpoint (random weights, byte-level "
+        "tokenizer, no download): small by default, or a preset's shape",
     )
-    c.add_argument("out", type=_path)
+    c.add_argument("out", type=_path, help="checkpoint folder to write")
     for name in ("layers", "experts", "top_k", "hidden_size", "moe_intermediate_size", "seed"):
-        c.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+        c.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            dest=name,
+            help=f"{CHECKPOINT_FIELDS[name]} (default: the preset's, else a small model's)",
+        )
     c.add_argument(
         "--preset",
         choices=["glm-shape"],
@@ -462,6 +489,16 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     )
     s = add("selftest", _cmd_selftest, "the harness tests that need vLLM (tests/wheel)")
     s.add_argument("pytest_args", nargs="*", help="extra pytest arguments (`--` optional)")
+
+
+CHECKPOINT_FIELDS = {
+    "layers": "MoE layers",
+    "experts": "routed experts per layer",
+    "top_k": "experts each token is routed to",
+    "hidden_size": "hidden size",
+    "moe_intermediate_size": "intermediate size of each expert",
+    "seed": "random seed of the weights",
+}
 
 
 def _cmd_replay(project: Project, args: argparse.Namespace) -> int:

@@ -131,4 +131,5 @@ def check(project: Project) -> list[str]:
         f"{name}: generated blocks are stale; run `python -m harness doc`"
         for name in document.stale(project)
     ]
+    problems += document.guide_drift(project)
     return problems

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from harness import results
+from harness import checkpoint_routed, e2e, results
 from harness.patches import load_notes, patch_subject, patch_tests, series_files, series_hash
 from harness.project import HarnessError, Project
 
@@ -143,14 +143,174 @@ def render_matrix(project: Project) -> str:
     return "\n".join(lines) + "\n"
 
 
+E2E_SUMMARY = "results/e2e/summary.json"
+#: The e2e profile summary.json was measured with (its model, attention backend).
+WHICH_FLAG_PROFILE = "glm-shape-h200"
+
+#: The rows of README's "Which flag" table: the e2e arm and the flag a user gives for it.
+WHICH_FLAG_ARMS = (
+    ("resident", "none: every expert on the GPU (reference)"),
+    ("uva", "`--cpu-offload-gb` (UVA)"),
+    ("prefetch", "`--offload-backend prefetch`"),
+    ("pool", "`--moe-expert-pool-rows {rows}`"),
+    ("pool-host-view", "`--moe-expert-pool-rows {rows} --no-moe-expert-pool-prefill-staging`"),
+)
+
+
+ROUTERS = ("skewed", "uniform")
+
+
+def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
+    """README's "Which flag" rows from ``results/e2e/summary.json``: per arm, what its
+    server kept on the GPU, TTFT (skewed router) and sampled decode tok/s per request at
+    1 and 32 requests (skewed / uniform), each the newest value (:func:`e2e.newest_cells`)."""
+    cells = e2e.newest_cells(summary)
+    servers, ttft, decode = cells["servers"], cells["ttft"], cells["decode"]
+    pooled = servers.get(("pool",), {}).get("facts", {}).get("pool_rows_per_layer") or ["N"]
+    rows = f"{pooled[0]:g}" if isinstance(pooled[0], float) else str(pooled[0])
+
+    def value(row: Mapping[str, Any] | None, key: str) -> str:
+        return "-" if row is None else e2e._sig3(row[key])
+
+    def kept(arm: str) -> str:
+        row = servers.get((arm,))
+        if row is None:
+            return "-"
+        gib = f"{row['expert_gib_on_gpu']:.1f} GiB"
+        if row["holds_budget"] is None:
+            return gib
+        if row["holds_budget"]:
+            return f"{gib}, budget held"
+        return f"{gib}, {row['cache_gib'] / row['budget_gib'] - 1:.0%} over budget"
+
+    out = []
+    for arm, flag in WHICH_FLAG_ARMS:
+        out.append([
+            flag.format(rows=rows),
+            kept(arm),
+            " / ".join(value(ttft.get(("skewed", arm, n)), "ttft_s") for n in (12500, 81600)),
+            *(
+                " / ".join(value(decode.get((r, arm, 0, c)), "tok_s") for r in ROUTERS)
+                for c in (1, 32)
+            ),
+        ])  # fmt: skip
+    return out
+
+
+def _shown_rows(summary: dict[str, Any]) -> list[Mapping[str, Any]]:
+    """The summary rows whose values :func:`which_flag_cells` shows."""
+    cells = e2e.newest_cells(summary)
+    arms = {arm for arm, _ in WHICH_FLAG_ARMS}
+    return [
+        *(r for (arm,), r in cells["servers"].items() if arm in arms),
+        *(r for (router, arm, _), r in cells["ttft"].items() if router == "skewed" and arm in arms),
+        *(r for (_, arm, spec, c), r in cells["decode"].items()
+          if arm in arms and not spec and c in (1, 32)),
+    ]  # fmt: skip
+
+
+def which_flag_hashes(summary: dict[str, Any]) -> list[str]:
+    """The series hashes of the values :func:`which_flag_cells` shows, newest first."""
+    runs = summary.get("runs", {})
+    dated = {r["series_hash"]: runs.get(r["run"], {}).get("date", "") for r in _shown_rows(summary)}
+    return sorted(dated, key=lambda h: dated[h], reverse=True)
+
+
+#: vLLM's attention backend names as the conditions line says them.
+_ATTENTION = {"TRITON_ATTN": "Triton", "FLASH_ATTN": "FlashAttention"}
+
+
+def render_which_flag(project: Project) -> str:
+    path = project.root / E2E_SUMMARY
+    if not path.exists():
+        return f"Not measured yet: `{E2E_SUMMARY}` is missing.\n"
+    summary = json.loads(path.read_text())
+    runs = summary.get("runs", {})
+    provs = [runs.get(r["run"], summary["provenance"]) for r in _shown_rows(summary)]
+
+    def each(get: Callable[[dict[str, Any]], str]) -> str:
+        return " and ".join(dict.fromkeys(get(p) for p in provs))
+
+    def compile_mode(prov: dict[str, Any]) -> str:
+        off = prov.get("env", {}).get("TORCH_COMPILE_DISABLE") == "1"
+        return "no torch.compile" if off else "torch.compile"
+
+    compiled = each(compile_mode)
+    profile = e2e.load_profiles()[WHICH_FLAG_PROFILE]
+    backend = str(profile.server.get("attention_backend", ""))
+    attention = _ATTENTION.get(backend, backend or "vLLM's default")
+    spec = profile.checkpoint_spec()
+    total = checkpoint_routed.expert_bytes(spec)
+    model = (
+        f"{spec.layers} MoE layers x {spec.experts} experts, {total / 2**30:.1f} GiB of experts "
+        f"of {total / (spec.layers * spec.experts) / 2**20:.2f} MiB each"
+    )
+    head = [
+        "flag",
+        "experts on the GPU",
+        "TTFT 12.5K / 81.6K tokens, s",
+        "decode, 1 request, tok/s (skewed / uniform)",
+        "decode, 32 requests, tok/s (skewed / uniform)",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in which_flag_cells(summary)]
+    hashes = ", ".join(f"`{h}`" for h in which_flag_hashes(summary))
+    budget = f"{summary['budget_fraction']:.0%} ({summary['budget_gib']:.2f} GiB)"
+    lines += [
+        "",
+        f"Conditions: vLLM {each(lambda p: p['base']['version'])}, series {hashes} (the "
+        f"newest run of each cell; `results/e2e/matrix.md` names it); "
+        f"one {each(lambda p: p['gpu'])}, driver {each(lambda p: p['driver'])}, CUDA "
+        f"{each(lambda p: p['cuda'])}, torch {each(lambda p: p['torch'])}, {attention} "
+        f"attention, {compiled}; synthetic NVFP4 model ({model}; Marlin), {budget} of "
+        f"the expert bytes allowed on the GPU; "
+        f"TTFT with the skewed router; sampled decode; "
+        f"`python -m harness replay e2e --profile {WHICH_FLAG_PROFILE}`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Project], str]] = {
     "header": render_header,
     "commits": render_commits,
     "matrix": render_matrix,
     "claims": results.render_claims,
+    "which-flag": render_which_flag,
 }
 
-DOCUMENTS = ("SERIES.md", "results/README.md")
+DOCUMENTS = ("SERIES.md", "results/README.md", "README.md", "results/e2e/README.md")
+
+#: The pool's user guide: this project's page and its copy in the patched vLLM tree.
+GUIDE = "docs/expert-pool.md"
+GUIDE_IN_TREE = "docs/features/moe_expert_pool.md"
+#: Where the project-only part of :data:`GUIDE` starts; the rest is vLLM's page.
+GUIDE_PROJECT_ONLY = "<!-- project-only: not part of vLLM's page -->"
+
+
+def guide_for_vllm(text: str) -> str:
+    """:data:`GUIDE`'s text without its project-only tail: the page 0001 carries."""
+    return text.split(GUIDE_PROJECT_ONLY, 1)[0].rstrip() + "\n"
+
+
+def guide_drift(project: Project) -> list[str]:
+    """Differences between :data:`GUIDE` and the applied tree's :data:`GUIDE_IN_TREE`.
+
+    Nothing to compare (no tree, or the tree has no page) is no problem; a page
+    that differs is reported with its first differing line."""
+    ours, theirs = project.root / GUIDE, project.tree / GUIDE_IN_TREE
+    if not ours.is_file() or not theirs.is_file():
+        return []
+    a = guide_for_vllm(ours.read_text()).splitlines()
+    b = theirs.read_text().rstrip().splitlines()
+    if a == b:
+        return []
+    line = next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+    return [
+        f"{GUIDE} and the tree's {GUIDE_IN_TREE} differ from line {line + 1}: copy the page "
+        f"into 0001 (everything above {GUIDE_PROJECT_ONLY!r}) or bring the change back"
+    ]
 
 
 def render(project: Project, text: str) -> str:
