@@ -335,9 +335,10 @@ def parser() -> argparse.ArgumentParser:
     mx = add(
         "matrix",
         _cmd_matrix,
-        "classify each patch on the releases listed in patches/base.toml "
-        "(clean / 3way / rebase / upstream / blocked: a patch it requires does not apply); "
-        "writes results/matrix.json and SERIES.md",
+        "classify, on each release listed in patches/base.toml, that release's own series "
+        "(patches/ or the backport folder its `series` key names): clean / 3way / rebase / "
+        "upstream / blocked (a patch it requires does not apply) / absent (the release's "
+        "series has no such patch); writes results/matrix.json and SERIES.md",
     )
     mx.add_argument(
         "--test",

@@ -237,8 +237,12 @@ def render_which_flag(project: Project) -> str:
 
     compiled = each(compile_mode)
     profile = e2e.load_profiles()[WHICH_FLAG_PROFILE]
-    backend = str(profile.server.get("attention_backend", ""))
-    attention = _ATTENTION.get(backend, backend or "vLLM's default")
+    shown = {r["run"] for r in _shown_rows(summary)}
+    backends = [s.get("attention_backend", "not recorded") for s in summary["servers"]
+                if s["run"] in shown]  # fmt: skip
+    attention = " and ".join(
+        dict.fromkeys(_ATTENTION.get(b.split(" ")[0], b) for b in sorted(backends))
+    )
     spec = profile.checkpoint_spec()
     total = checkpoint_routed.expert_bytes(spec)
     model = (

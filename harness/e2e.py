@@ -297,6 +297,14 @@ ATTENTION = re.compile(
 FA_VERSION = re.compile(r"Using FlashAttention version (\d+)")
 
 
+def argv_attention(argv: Sequence[str]) -> str:
+    """The backend a server command line asks for (results from before servers
+    recorded what their log says), or ``default (not logged)``."""
+    if "--attention-backend" in argv:
+        return argv[list(argv).index("--attention-backend") + 1]
+    return "default (not logged)"
+
+
 def attention_backend(log_text: str) -> str:
     """The attention backend a server log says it used (``FLASH_ATTN (FA3)``), or
     ``not logged``."""
@@ -770,6 +778,8 @@ def summarize(folder: Path) -> dict[str, Any]:
                 "arm": data["arm"], "router": data["router"], "spec_tokens": spec_tokens,
                 "outcome": data["outcome"], "startup_s": data["startup_s"],
                 "exception": data.get("exception"), "facts": data["facts"],
+                "attention_backend": data.get("attention_backend")
+                or argv_attention(record["provenance"].get("server_argv") or []),
                 **gpu_expert_bytes(data, spec),
             })  # fmt: skip
             continue

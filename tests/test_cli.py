@@ -120,7 +120,7 @@ def disagreements(text: str) -> list[str]:
                                               ("--help", parsers["kernels"].description or ""))
                          if label not in text_]  # fmt: skip
     if "matrix" in rows:
-        for outcome in ("clean", "3way", "rebase", "upstream", "blocked"):
+        for outcome in ("clean", "3way", "rebase", "upstream", "blocked", "absent"):
             problems += [
                 f"matrix: {where} omits {outcome!r}"
                 for where, text_ in (("README", rows["matrix"][1]),
