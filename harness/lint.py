@@ -35,7 +35,11 @@ def pinned_tools(tree: Path) -> list[str]:
     config = (tree / ".pre-commit-config.yaml").read_text()
 
     def rev(repo: str) -> str:
-        match = re.search(rf"repo: \S*/{repo}\s+rev: v?([\w.]+)", config)
+        # `rev: v0.17.2`, or a commit frozen by `pre-commit autoupdate --freeze`:
+        # `rev: <sha>  # frozen: v0.17.2` (vLLM 0.34.0)
+        match = re.search(
+            rf"repo: \S*/{repo}\s+rev: (?:[0-9a-f]{{40}}\s+# frozen: )?v?([\w.]+)", config
+        )
         if not match:
             raise HarnessError(f"no {repo} revision in the tree's .pre-commit-config.yaml")
         return match.group(1)

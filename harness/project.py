@@ -112,6 +112,10 @@ class Pin:
     # `series` key): a maintained backport made on the release of the same
     # name. None: the main series, patches/ itself, made on [base]'s release.
     series: str | None = None
+    # (requirement, why): replaces the release wheel's pin of that package when
+    # the harness installs it (its `overrides` table), e.g. a pinned version the
+    # index does not serve. Reported, never silent.
+    overrides: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_default(self) -> bool:
@@ -153,6 +157,7 @@ class Pin:
             default=default,
             deselect=tuple(dict(chosen.get("deselect", {})).items()),
             series=chosen.get("series"),
+            overrides=tuple(dict(chosen.get("overrides", {})).items()),
         )
 
     @property

@@ -49,8 +49,13 @@ def install_wheel(project: Project, wheel: str, wheel_sha256: str) -> Path:
     """The harness venv with the test requirements and ``wheel`` (and its dependencies)."""
     python = ensure_venv(project, TEST_REQUIREMENTS)
     stamp = python.parent.parent / ".harness-wheel"
-    if not stamp.exists() or stamp.read_text() != wheel_sha256:
+    overrides = python.parent.parent / "overrides.txt"
+    wanted = "".join(f"{req}\n" for req, _ in project.pin.overrides)
+    if not stamp.exists() or stamp.read_text() != wheel_sha256 + wanted:
         progress(f"installing {Path(wheel).name} into the harness venv")
+        for req, why in project.pin.overrides:
+            progress(f"override on vLLM {project.pin.release.version}: {req} ({why})")
+        overrides.write_text(wanted)
         run(
             [
                 "uv",
@@ -64,8 +69,11 @@ def install_wheel(project: Project, wheel: str, wheel_sha256: str) -> Path:
                 # the selected release's torch (each release's work area has its own venv)
                 f"torch=={project.pin.torch}",
                 *WHEEL_CONSTRAINTS,
+                # patches/base.toml's overrides replace the wheel's own pins (one it
+                # names that the index does not serve)
+                *(["--override", str(overrides)] if wanted else []),
             ],
             env={**uv_env(), "PIP_CONSTRAINT": ""},
         )
-        stamp.write_text(wheel_sha256)
+        stamp.write_text(wheel_sha256 + wanted)
     return python

@@ -29,6 +29,15 @@ def test_pinned_tools_follow_the_tree(tmp_path):
     ]
 
 
+def test_pinned_tools_read_revisions_frozen_to_commits(tmp_path):
+    # vLLM 0.34.0 pins each hook by commit, its version in a `# frozen:` comment
+    frozen = CONFIG.replace(
+        "rev: v0.14.0", "rev: f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2"
+    ).replace("rev: v1.43.5", "rev: 9023c1f779400877cafdd98052113fc777e2cfdc  # frozen: v1.51.1")
+    (tmp_path / ".pre-commit-config.yaml").write_text(frozen)
+    assert lint.pinned_tools(tmp_path)[:2] == ["ruff==0.17.2", "typos==1.51.1"]
+
+
 def test_only_mypy_errors_the_series_adds_count(project, commit, monkeypatch):
     commit("[Core] Touch", {"vllm/__init__.py": "VALUE = 2\n", "vllm/new.py": "x = 1\n"})
     seen: list[tuple[Path, list[str]]] = []
