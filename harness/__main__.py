@@ -166,6 +166,7 @@ def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
         tests=args.test,
         extra_kernels=[bundle.ExtraKernel.parse(k) for k in args.kernel],
         stock_kernels=args.stock_kernels,
+        max_bytes=args.max_mib * bundle.MiB,
     )
     print(f"{built.path} ({built.total_bytes / bundle.MiB:.1f} MiB)")
     try:
@@ -319,6 +320,14 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="PATH:NAMESPACE",
         help="a kernel library from `harness kernels` to carry (repeatable)",
+    )
+    bnd.add_argument(
+        "--max-mib",
+        type=int,
+        default=bundle.DEFAULT_MAX_BYTES // bundle.MiB,
+        help=f"largest bundle, MiB (default: {bundle.DEFAULT_MAX_BYTES // bundle.MiB}, one "
+        "call with the working tree); a larger one reaches the host over several calls in a "
+        "row, as the carry plan printed at the end says",
     )
     bnd.add_argument(
         "--carry-plan",

@@ -35,17 +35,25 @@ mtime, no owners, so the same inputs give the same bytes):
     The on-target runner; what the bundle was built from (base pin, series hash,
     tree commit, target) and what it contains; sizes and sha256 of every file.
 
-Two things differ from a normal install of the release wheel; each is
+Three things differ from a normal install of the release wheel; each is
 checked by ``tests/test_bundle.py``:
 
-1. **dist-info.** ``vllm/platforms/__init__.py`` asks
+1. **The MiniMax-M3 warmup import is guarded** (:data:`TREE_PATCHES`). vLLM
+   0.34.0's ``kernel_warmup`` imports ``minimax_m3_msa_warmup`` on every CUDA
+   server, and that module imports the CuTe DSL (``cutlass``, from
+   nvidia-cutlass-dsl and its CUDA flavour, 97 MB of wheels: more than a device
+   call carries beside the rest). The warmup returns at once for a model without
+   MiniMax-M3 sparse attention; the bundle skips it, with a log line, when the
+   import fails. The patch matches the upstream text exactly once or the build
+   fails.
+2. **dist-info.** ``vllm/platforms/__init__.py`` asks
    ``importlib.metadata.version("vllm")`` while probing for CUDA; without a
    dist-info it raises ``PackageNotFoundError``, which is swallowed, and vLLM
    silently runs on ``UnspecifiedPlatform``. The wheel's ``METADATA``,
    ``WHEEL``, ``entry_points.txt`` and ``top_level.txt`` are carried next to
    ``vllm/`` (``RECORD`` is not: the files differ from the wheel's), and the
    build checks that the version matches the pin.
-2. **Kernel pruning.** See :mod:`harness.fatbin`: the libraries keep only the
+3. **Kernel pruning.** See :mod:`harness.fatbin`: the libraries keep only the
    device code the target GPU loads, so they work on that architecture only.
 
 FlashAttention 3 travels (its library is one of :data:`KERNEL_LIBRARIES`), so
@@ -115,6 +123,29 @@ KERNEL_LIBRARIES = (
 #: Rust frontend), ``third_party/{deep_gemm,fmha_sm100,tml_fa4}`` and
 #: ``vllm_flash_attn/cute`` (FA4, for Blackwell).
 WHEEL_EXTRAS = ("vllm/third_party/triton_kernels/", "vllm/third_party/flashmla/")
+
+#: Edits to tree files that travel (path, upstream text, replacement), each applied
+#: exactly once (see the module doc).
+TREE_PATCHES = (
+    (
+        "vllm/model_executor/warmup/kernel_warmup.py",
+        "        from vllm.model_executor.warmup.minimax_m3_msa_warmup import (\n"
+        "            minimax_m3_msa_warmup,\n"
+        "        )\n"
+        "\n"
+        "        minimax_m3_msa_warmup(worker)\n",
+        "        # device bundle: the CuTe DSL this module imports does not travel\n"
+        "        # (harness/bundle.py); the warmup is a no-op without MiniMax-M3.\n"
+        "        try:\n"
+        "            from vllm.model_executor.warmup.minimax_m3_msa_warmup import (\n"
+        "                minimax_m3_msa_warmup,\n"
+        "            )\n"
+        "        except ImportError as exc:\n"
+        '            logger.info("device bundle: MiniMax-M3 MSA warmup skipped: %s", exc)\n'
+        "        else:\n"
+        "            minimax_m3_msa_warmup(worker)\n",
+    ),
+)
 
 #: The dist-info files carried (RECORD is left out: it lists the wheel's files).
 DIST_INFO_FILES = ("METADATA", "WHEEL", "entry_points.txt", "top_level.txt")
@@ -371,6 +402,29 @@ def _wheel_metadata(wheel: Path) -> Message:
 # --------------------------------------------------------------------------- tree changes
 
 
+def patch_tree(files: dict[str, bytes]) -> list[str]:
+    """Apply :data:`TREE_PATCHES` to ``files`` in place; return the paths changed.
+
+    Raises:
+        HarnessError: a patched file is missing, or its upstream text is not there
+            exactly once (it changed, or is already patched): re-check the patch.
+    """
+    changed = []
+    for path, old, new in TREE_PATCHES:
+        if path not in files:
+            raise HarnessError(f"the tree has no {path}, which harness.bundle patches")
+        source = files[path].decode()
+        if (count := source.count(old)) != 1:
+            raise HarnessError(
+                f"{path}: expected the text harness.bundle patches exactly once, found it "
+                f"{count} times; the upstream file changed (or is already patched): re-check "
+                f"TREE_PATCHES"
+            )
+        files[path] = source.replace(old, new).encode()
+        changed.append(path)
+    return changed
+
+
 def dist_info(wheel: zipfile.ZipFile, version: str) -> dict[str, bytes]:
     """The carried ``vllm-<version>.dist-info`` files of the release wheel, by archive name.
 
@@ -411,9 +465,11 @@ def python_tree(
 ) -> dict[str, bytes]:
     """The carried Python package: the tree's ``vllm/`` + wheel extras + dist-info.
 
-    Files of the tree always win over the wheel's (the series may change them).
+    Files of the tree always win over the wheel's (the series may change them);
+    :data:`TREE_PATCHES` are applied.
     """
     files = {n: b for n, b in tree_files.items() if n.startswith("vllm/")}
+    patch_tree(files)
     for name, data in wheel_extras(wheel).items():
         files.setdefault(name, data)
     files.update(dist_info(wheel, version))
@@ -755,6 +811,7 @@ def _assemble(
             "archive": "vllm-py.tar.xz",
             "files": len(members),
             "dist_info": f"vllm-{version}.dist-info",
+            "patched": [path for path, _, _ in TREE_PATCHES],
         }
 
         kernels = []

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness import bundle, device_run, e2e, fatbin, results
-from harness.project import HarnessError, Project
+from harness.project import REPO, HarnessError, Project
 
 CommitFn = Callable[[str, dict[str, str]], str]  # the conftest's `commit` fixture
 
@@ -157,6 +157,53 @@ def test_prune_refuses_non_cuda_and_targetless_libraries(tmp_path: Path) -> None
         fatbin.prune(blackwell, tmp_path / "out.so", 90)
 
 
+# --------------------------------------------------------------------------- tree patches
+
+WARMUP = bundle.TREE_PATCHES[0][0]
+WARMUP_SOURCE = (
+    "def kernel_warmup(worker):\n"
+    "    if current_platform.is_cuda():\n"
+    "        # The MSA kernels, and the CuTe DSL their modules import, are CUDA-only.\n"
+    + bundle.TREE_PATCHES[0][1]
+)
+
+
+def test_tree_patch_guards_the_minimax_warmup_import_exactly_once() -> None:
+    files = {WARMUP: WARMUP_SOURCE.encode()}
+    assert bundle.patch_tree(files) == [WARMUP]
+    patched = files[WARMUP].decode()
+    ast.parse(patched)
+    assert "except ImportError" in patched and patched.count("minimax_m3_msa_warmup(worker)") == 1
+    with pytest.raises(HarnessError, match="found it 0 times"):
+        bundle.patch_tree(files)  # never twice
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {},
+        {WARMUP: b"def kernel_warmup(worker):\n    pass\n"},
+        {WARMUP: (WARMUP_SOURCE * 2).encode()},
+    ],
+)
+def test_tree_patch_fails_loudly_when_upstream_changes(files: dict[str, bytes]) -> None:
+    with pytest.raises(HarnessError, match="re-check|has no"):
+        bundle.patch_tree(dict(files))
+
+
+REAL_TREE = REPO / ".work" / "vllm"
+
+
+@pytest.mark.skipif(
+    not (REAL_TREE / WARMUP).exists(), reason="the pinned vLLM tree is not materialized"
+)
+def test_tree_patches_match_the_pinned_tree() -> None:
+    files = {path: (REAL_TREE / path).read_bytes() for path, _, _ in bundle.TREE_PATCHES}
+    bundle.patch_tree(files)
+    for source in files.values():
+        ast.parse(source)
+
+
 # --------------------------------------------------------------------------- wheel + tree
 
 VERSION = "1.0.0"
@@ -191,6 +238,7 @@ def release_wheel(path: Path, version: str = VERSION, kernels: bytes | None = No
 TREE_VLLM = {
     "vllm/__init__.py": b"FROM_TREE = True\n",
     "vllm/layer.py": b"X = 1\n",
+    WARMUP: WARMUP_SOURCE.encode(),
 }
 
 
@@ -380,6 +428,7 @@ def ready(project: Project, commit: CommitFn, tmp_path: Path) -> Project:
     commit(
         "[Kernel] Add a device test",
         {
+            WARMUP: WARMUP_SOURCE,
             "tests/__init__.py": "",
             "tests/kernels/__init__.py": "",
             "tests/kernels/test_device.py": TEST_FILE,
