@@ -312,7 +312,7 @@ def attention_backend(log_text: str) -> str:
     if not found:
         return "not logged"
     version = FA_VERSION.findall(log_text)
-    return found[-1] + (f" (FA{version[-1]})" if version else "")
+    return str(found[-1]) + (f" (FA{version[-1]})" if version else "")
 
 
 # --- the runner -----------------------------------------------------------------------------------
