@@ -254,7 +254,7 @@ def render_which_flag(project: Project) -> str:
         "experts on the GPU",
         "TTFT 12.5K / 81.6K tokens, s",
         "decode, 1 request, tok/s (skewed / uniform)",
-        "decode, 32 requests, tok/s (skewed / uniform)",
+        "decode, 32 requests, tok/s per request (skewed / uniform)",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in which_flag_cells(summary)]

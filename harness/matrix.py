@@ -1,12 +1,16 @@
 """The revision matrix: how each commit of the series meets other vLLM releases.
 
 For every release in ``patches/base.toml`` (``[[matrix]]`` plus the base
-itself), each patch is applied after the prerequisites its note names, in a
-fresh clone whose objects are only that release's and the pinned base's (what
-an upstream clone has; never the series' own blobs), and classified:
+itself), each patch of that release's own series (``patches/``, or the
+backport folder its ``series`` key names) is applied after the prerequisites
+its note names, in a fresh clone whose objects are only that release's and
+those of the release the series is made on (what an upstream clone has; never
+the series' own blobs), and classified:
 ``clean``, ``3way``, ``rebase`` (with the failing files), ``upstream``
-(already there), or ``blocked`` when a prerequisite already failed. Each
-cell records how long its apply took.
+(already there), or ``blocked`` when a prerequisite already failed; a patch
+the release's series lacks is ``absent``. Each cell records how long its apply
+took, and the JSON records the series (folder and hash) each release ran,
+which ``python -m harness check`` compares with the committed series.
 
 With ``--test`` (:func:`run_matrix` ``test=True``), every release on which
 the whole series applies then runs the normal pipeline in its own work area
