@@ -187,7 +187,7 @@ def test_tree_patch_guards_the_minimax_warmup_import_exactly_once() -> None:
     ],
 )
 def test_tree_patch_fails_loudly_when_upstream_changes(files: dict[str, bytes]) -> None:
-    with pytest.raises(HarnessError, match="re-check|has no"):
+    with pytest.raises(HarnessError, match=r"re-check|has no"):
         bundle.patch_tree(dict(files))
 
 
