@@ -101,7 +101,7 @@ def kernels(session: nox.Session) -> None:
     _harness(
         session, "kernels", "--rev", "series", "--namespace", "marlin_series", *session.posargs
     )
-    _harness(session, "kernels", "--rev", "v0.34.0", "--namespace", "marlin_base", *session.posargs)
+    _harness(session, "kernels", "--rev", "base", "--namespace", "marlin_base", *session.posargs)
 
 
 @nox.session(venv_backend="none", default=False)

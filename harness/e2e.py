@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import checkpoint, checkpoint_routed, replay, results
-from harness.project import HarnessError, progress
+from harness.project import REPO, HarnessError, progress
 
 PROFILES = Path(__file__).resolve().parent / "data" / "e2e_profiles.toml"
 OFFLOADS = ("none", "pool", "uva", "prefetch")
@@ -865,7 +865,8 @@ def write_summary(root: Path) -> list[Path]:
     path = root / "summary.json"
     path.write_text(json.dumps(summary, indent=2) + "\n")
     table = root / "matrix.md"
-    table.write_text(matrix_markdown(summary))
+    shown = root.relative_to(REPO) if root.is_relative_to(REPO) else root
+    table.write_text(matrix_markdown(summary, shown.as_posix()))
     return [path, table, *plot(summary, root)]
 
 
@@ -916,7 +917,7 @@ def newest_cells(summary: Mapping[str, Any]) -> dict[str, dict[Any, Mapping[str,
     }  # fmt: skip
 
 
-def matrix_markdown(summary: Mapping[str, Any]) -> str:
+def matrix_markdown(summary: Mapping[str, Any], source: str = "results/e2e") -> str:
     """Every arm's newest measurement per router, prompt length and concurrency, and what
     its server kept on the GPU (:func:`newest_cells`), as markdown tables
     (``results/e2e/matrix.md``): what a reader choosing an offload flag compares."""
@@ -974,7 +975,7 @@ def matrix_markdown(summary: Mapping[str, Any]) -> str:
     return "\n".join([
         "# The end-to-end matrix: each arm's newest measurement",
         "",
-        "Written by `python -m harness replay e2e --summarize results/e2e` from",
+        f"Written by `python -m harness replay e2e --summarize {source}` from",
         "`summary.json`; each cell names its run folder and series hash. Cells of",
         "different runs come from different machine starts or series: README.md says",
         "which share a machine start, and only those give side-by-side ratios.",

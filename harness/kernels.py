@@ -650,7 +650,10 @@ def build_kernels(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``python -m harness kernels``."""
     parser.add_argument(
-        "--rev", default="series", help="revision of the vLLM tree to build (default: series)"
+        "--rev",
+        default="series",
+        help="revision of the vLLM tree to build (default: series; `base`: the pinned "
+        "release's tag, stock)",
     )
     parser.add_argument(
         "--namespace", required=True, help="torch op namespace, e.g. marlin_series or marlin_base"
@@ -686,7 +689,7 @@ def command(project: Project, args: argparse.Namespace) -> int:
     """Handler of ``python -m harness kernels``; prints the library path."""
     library = build_kernels(
         project,
-        rev=args.rev,
+        rev=project.pin.release.tag if args.rev == "base" else args.rev,
         namespace=args.namespace,
         out_dir=args.out,
         arch=args.arch,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
@@ -297,3 +298,18 @@ def test_binding_schemas_per_release(
     repack = text[text.index("gptq_marlin_repack(") :]
     repack = repack[: repack.index("-> Tensor")]
     assert repack.endswith("int num_bits, bool is_a_8bit) " if is_a_8bit else "int num_bits) ")
+
+
+def test_rev_base_builds_the_pinned_release_tag(project, monkeypatch, capsys) -> None:
+    seen: list[str] = []
+
+    def fake_build(project_, *, rev: str, **kwargs: object) -> Path:
+        seen.append(rev)
+        return Path("libx.so")
+
+    monkeypatch.setattr(kernels, "build_kernels", fake_build)
+    parser = argparse.ArgumentParser()
+    kernels.add_arguments(parser)
+    for rev, expected in (("base", project.pin.release.tag), ("series", "series")):
+        kernels.command(project, parser.parse_args(["--rev", rev, "--namespace", "ns"]))
+        assert seen[-1] == expected
