@@ -27,7 +27,7 @@ from harness.applying import (
     forget,
     fresh_clone,
 )
-from harness.patches import load_notes, series_files, series_record
+from harness.patches import load_notes, series_files, series_label, series_record
 from harness.project import Project
 from harness.series import format_patches, prepare
 
@@ -116,7 +116,7 @@ def check_series(project: Project) -> list[str]:
         problems += check_standalone(project, clone, base)
     if project.vllm is None:
         return problems
-    return [f"{project.patches.relative_to(project.root)}: {p}" for p in problems]
+    return [f"{series_label(project)}: {p}" for p in problems]
 
 
 def check(project: Project) -> list[str]:

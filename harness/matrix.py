@@ -42,15 +42,6 @@ from harness.project import HarnessError, Project, Release, git, progress
 APPLIED = ("clean", "3way")
 
 
-def _series_of(project: Project, version: str) -> Project:
-    """The project on ``version`` when base.toml pins it fully, else the main series
-    (a release the matrix only classifies uses the main series)."""
-    try:
-        return project.for_release(version)
-    except HarnessError:
-        return project
-
-
 def classify(project: Project, release: Release) -> dict[str, dict[str, Any]]:
     """One column of the matrix: ``{patch: {"outcome": ..., "files": [...], "seconds": ...}}``.
 
@@ -58,7 +49,7 @@ def classify(project: Project, release: Release) -> dict[str, dict[str, Any]]:
     its pin names (``series = "0.33.0"``).
     """
     pin = project.pin
-    selected = _series_of(project, release.version)
+    selected = project.series_for(release.version)
     home = project.for_release(selected.pin.home)
     home_tree, _ = series.prepare(home)
     # The blobs of the release the series is made on: git am's 3-way fallback
@@ -137,7 +128,7 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     the bare base (no prerequisite in its note) and applied alone in :func:`classify`
     is applied, built and tested alone on the base: ``run["alone"][patch]``.
     """
-    patches = series_files(_series_of(project, version))
+    patches = series_files(project.series_for(version))
     stop = next((p for p in patches if cells[p.name]["outcome"] not in APPLIED), None)
     if stop is None:
         return _run_group(project, version, cells)
@@ -147,7 +138,7 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
         why = reason if applied else "the patch did not apply"
         cells[patch.name] |= {"build": _not_run(why), "test": _not_run(why)}
     run: dict[str, Any] = {name: _not_run(reason) for name in ("apply", "build", "test")}
-    notes = load_notes(_series_of(project, version))
+    notes = load_notes(project.series_for(version))
     after = patches[patches.index(stop) + 1 :]
     alone = [p for p in after if not notes[p.name].requires and cells[p.name]["outcome"] in APPLIED]
     if alone:

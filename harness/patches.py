@@ -96,7 +96,7 @@ def series_record(project: Project) -> dict[str, dict[str, str]]:
     """Per release, the series the matrix ran there: its folder and hash."""
     out = {}
     for release in project.pin.releases:
-        selected = project.for_release(release.version)
+        selected = project.series_for(release.version)
         out[release.version] = {"series": series_label(selected), "hash": series_hash(selected)}
     return out
 

@@ -219,6 +219,14 @@ class Project:
         selected.pin  # noqa: B018 (raises for a release base.toml does not fully pin)
         return selected
 
+    def series_for(self, version: str) -> Project:
+        """This project on ``version`` when base.toml pins it fully, else as it is: a
+        release the revision matrix only classifies uses the main series."""
+        try:
+            return self.for_release(version)
+        except HarnessError:
+            return self
+
     def release_work(self, version: str) -> Path:
         """The work area of release ``version``, ``<work>/releases/<version>`` (not checked)."""
         root_work = self.work if self.vllm is None else self.work.parent.parent
