@@ -805,6 +805,11 @@ def summarize(folder: Path) -> dict[str, Any]:
             ttft.append(
                 {**row, "input_len": data["input_len"], "ttft_s": summary.get("ttft_s_mean")}
             )
+    # Each bench row names the attention backend of the server it measured.
+    backends = {(s["arm"], s["router"], s["spec_tokens"]): s["attention_backend"] for s in servers}
+    for bench_row in decode + ttft:
+        key = (bench_row["arm"], bench_row["router"], bench_row.get("spec_tokens", 0))
+        bench_row["attention_backend"] = backends.get(key, "no server record")
     spec = None
     if budget is not None:
         first = next(r for r in _records(folder) if r["kind"] == "e2e-server")
@@ -832,16 +837,22 @@ def summarize(folder: Path) -> dict[str, Any]:
 def summarize_runs(folders: Sequence[Path]) -> dict[str, Any]:
     """One summary over several run folders (``results/e2e/summary.json``).
 
-    Every row gains ``run`` (the folder's name) and ``series_hash`` (the series it
-    measured): runs of different series or leases sit side by side but are never
-    merged. ``provenance`` is the newest run's; ``runs`` holds each run's.
+    Every row gains ``run`` (the folder's name), ``series_hash`` (the series it
+    measured) and ``base`` (the vLLM release under it): runs of different series,
+    releases or leases sit side by side but are never merged. ``provenance`` is the
+    newest run's; ``runs`` holds each run's.
     """
     out: dict[str, Any] = {"schema": results.SCHEMA, "kind": "e2e-summary"}
     rows: dict[str, list[dict[str, Any]]] = {"decode": [], "ttft": [], "servers": []}
     runs, missing, budgets = {}, [], set()
     for folder in folders:
         one = summarize(folder)
-        tag = {"run": folder.name, "series_hash": one["provenance"].get("series_hash")}
+        prov = one["provenance"]
+        tag = {
+            "run": folder.name,
+            "series_hash": prov.get("series_hash"),
+            "base": (prov.get("base") or {}).get("version"),
+        }
         for key, items in rows.items():
             items += [{**tag, **row} for row in one[key]]
         missing += [f"{folder.name}/{name}" for name in one["not_measured"]]

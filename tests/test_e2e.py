@@ -200,6 +200,9 @@ def test_summary_tells_an_arm_that_holds_the_budget_from_one_that_does_not(
         "spec_tokens": 0, "output_len": 256, "temperature": 0.0, "tok_s": 93.9,
         "acceptance_rate": None,
         "pool_hit_rate": None, "pool_metrics_hit_rate": 0.8, "pool_mib_per_step": None,
+        # The backend of the server the bench measured (here one from before servers
+        # recorded it, started without --attention-backend).
+        "attention_backend": "default (not logged)",
     }]  # fmt: skip
     assert summary["budget_gib"] == pytest.approx(0.25 * 35.44, abs=0.01)
 
@@ -414,6 +417,8 @@ def test_plots_of_the_committed_summary(tmp_path: Path) -> None:
     cut = {name.split("/")[0] for name in summary["not_measured"]}
     assert measured | cut == {f.name for f in folders}
     assert all(r["series_hash"] for r in summary["decode"] + summary["ttft"])
+    assert {r["base"] for r in summary["decode"] + summary["ttft"]} == {"0.33.0"}
+    assert all(r["attention_backend"] != "no server record" for r in summary["ttft"])
     assert (root / "results/e2e/matrix.md").read_text() == e2e.matrix_markdown(summary)
 
 
