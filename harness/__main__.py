@@ -389,17 +389,20 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "configuration) of a profile, drive it with `vllm bench serve`, sample NVML, write "
         "one result JSON per run. ttft, decode, oom: the seeds' serving claims (profiles: "
         "harness/data/replay_profiles.toml); e2e: the expert pool against vLLM's offload "
-        "flags (profiles: harness/data/e2e_profiles.toml); plot: draw an existing folder",
+        "flags (profiles: harness/data/e2e_profiles.toml); soak: churn, bad requests, SIGTERM "
+        "and start-up faults of a served pool, with issue #38's goal checks (profiles: "
+        "harness/data/soak_profiles.toml); plot: draw an existing folder",
     )
     r.add_argument(
         "experiment",
-        choices=["ttft", "decode", "oom", "plot", "e2e"],
+        choices=["ttft", "decode", "oom", "plot", "e2e", "soak"],
         help="what to measure (see above)",
     )
     r.add_argument(
         "--profile",
         help="profile name (default tiny-synthetic; e2e: glm-shape-h200, from "
-        "harness/data/e2e_profiles.toml)",
+        "harness/data/e2e_profiles.toml; soak: glm-shape-h200, from "
+        "harness/data/soak_profiles.toml)",
     )
     r.add_argument("--out", type=_path, help="result folder (default: results/replay/DATE-PROFILE)")
     r.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -416,20 +419,24 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "vLLM is on PYTHONPATH without a console script (the device bundle)",
     )
     r.add_argument("--port", type=int, help="server port (default: a free one)")
-    e = r.add_argument_group("e2e (the pool against vLLM's UVA and prefetch offload)")
+    e = r.add_argument_group(
+        "e2e (the pool against vLLM's UVA and prefetch offload); soak also takes --arms, "
+        "--checkpoint, --deadline-s and --summarize"
+    )
     e.add_argument(
         "--arms",
         type=_csv,
         default=[],
         help="arms, comma-separated, of resident, pool, pool-host-view, uva, prefetch "
-        "(default: all of the profile's)",
+        "(default: all of the profile's; soak: the soak profile's, pool and resident)",
     )
     e.add_argument("--routers", type=_csv, default=[], help="uniform,skewed (default: profile's)")
     e.add_argument("--experts", type=int, help="experts per layer (256: the 256-expert variant)")
     e.add_argument(
         "--checkpoint",
         type=_path,
-        help="checkpoint folder, written unless current (default OUT/checkpoint)",
+        help="checkpoint folder, written unless current (default OUT/checkpoint; soak "
+        "writes only its profile's router)",
     )
     e.add_argument(
         "--no-spec", action="store_true", help="skip the ngram speculative-decoding servers"
@@ -465,14 +472,44 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "tokens), and summary.json is written, also when a time limit interrupts the run; "
         "under device_run.py the run also keeps to the time that device_run.py gives it "
         "(VLLM_BUNDLE_TIME_LEFT_S, less 15 s to stop its last server), so this is only "
-        "needed for a tighter limit",
+        "needed for a tighter limit. soak: an arm starts when the fastest start, its churn "
+        "and what follows fit (the churn is cut to the time left), a fault when the "
+        "fastest start (a failing one: the profile's fault_floor_s) fits",
     )
     e.add_argument(
         "--summarize",
         type=_path,
         metavar="DIR",
         help="measure nothing: write DIR/summary.json and plots over every run folder in DIR "
-        "(e.g. results/e2e)",
+        "(e.g. results/e2e); soak: DIR/summary.json and summary.md of one soak folder",
+    )
+    k = r.add_argument_group(
+        "soak (churn, bad requests, SIGTERM and start-up faults of a served pool: docs/soak.md)"
+    )
+    k.add_argument(
+        "--faults",
+        type=_csv,
+        nargs="?",
+        const=[],
+        metavar="NAMES",
+        help="start the server with the profile's bad pool configurations instead of "
+        "soaking the arms (all of them, or the comma-separated NAMES of rows-below-top-k, "
+        "rows-above-experts, gb-above-experts, rows-and-gb, dense-model, "
+        "pin-memory-disabled, host-ram-below-pool), and record whether each fails before "
+        "weight loading with the message the tree gives, or starts where that is documented",
+    )
+    k.add_argument(
+        "--dense-checkpoint",
+        type=_path,
+        metavar="DIR",
+        help="a dense model for the dense-model fault (without it that fault is recorded "
+        "as not run)",
+    )
+    k.add_argument(
+        "--churn-s",
+        type=float,
+        metavar="SECONDS",
+        help="how long each arm's churn lasts (default: the profile's duration_s)",
     )
     c = add(
         "checkpoint",
@@ -514,8 +551,8 @@ CHECKPOINT_FIELDS = {
 def _cmd_replay(project: Project, args: argparse.Namespace) -> int:
     from harness import replay
 
-    if args.experiment == "e2e":
-        return _cmd_e2e(project, args)
+    if args.experiment in ("e2e", "soak"):
+        return _cmd_served(project, args)
     return replay.main(
         project, args.experiment, args.profile or "tiny-synthetic", out=args.out,
         dry_run=args.dry_run,
@@ -523,19 +560,28 @@ def _cmd_replay(project: Project, args: argparse.Namespace) -> int:
     )  # fmt: skip
 
 
-def _cmd_e2e(project: Project, args: argparse.Namespace) -> int:
+def _cmd_served(project: Project, args: argparse.Namespace) -> int:
+    """``replay e2e`` and ``replay soak``: profiles of harness/data, results/KIND/DATE-PROFILE."""
     import datetime
 
-    from harness import e2e, replay
+    from harness import e2e, replay, soak
 
+    soaking = args.experiment == "soak"
     if args.summarize:
-        for path in e2e.write_summary(args.summarize):
+        for path in (soak.write_summary if soaking else e2e.write_summary)(args.summarize):
             print(path)
         return 0
     profile = args.profile or "glm-shape-h200"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = args.out or project.results / "e2e" / f"{stamp}-{profile}"
+    out = args.out or project.results / args.experiment / f"{stamp}-{profile}"
     python = replay.server_python(project, args.python, args.dry_run)
+    if soaking:
+        return soak.main(
+            profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
+            checkpoint_dir=args.checkpoint, dense_checkpoint=args.dense_checkpoint,
+            faults=args.faults, churn_s=args.churn_s, dry_run=args.dry_run,
+            deadline_s=args.deadline_s, argv=sys.argv[1:],
+        )  # fmt: skip
     return e2e.main(
         profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,

@@ -351,16 +351,7 @@ class Runner:
         server's earlier benches (:func:`step_bound_s`), below what they measured; a
         server's is the fastest successful start in this run (a start from a cold page
         cache is the slowest), or the profile's ``startup_floor_s`` before the first."""
-        if self.deadline is None:
-            return True
-        left = self.deadline - self.clock()
-        if need_s <= left:
-            return True
-        progress(
-            f"{what}: skipped, it needs at least {need_s:.0f} s and {max(left, 0):.0f} s are "
-            "left before the run's deadline"
-        )
-        return False
+        return fits(self.deadline, self.clock(), what, need_s)
 
     def sessions(self) -> list[tuple[str, Arm, bool]]:
         """``(router, arm, speculative)`` of every server this run starts, in order."""
@@ -1208,19 +1199,27 @@ def main(
         return 0
     checkpoint_routed.write(ckpt, spec, routers, echo=progress)
     runner.nvml = replay.load_nvml()
-    versions = replay.server_versions(python)
-
-    def prov() -> dict[str, Any]:
-        record = results.provenance(["python", "-m", "harness", *argv] if argv else None)
-        record.update(torch=versions["torch"], cuda=versions["cuda"], vllm=versions["vllm"])
-        return record
-
-    runner.provenance = prov
+    runner.provenance = replay.server_provenance(python, argv)
     try:
         runner.run()
     finally:  # a run stopped by a time limit (SIGINT) still leaves its summary
         _write_run_summary(out)
     return 0
+
+
+def fits(deadline: float | None, now: float, what: str, need_s: float) -> bool:
+    """Whether ``what``, which takes at least ``need_s`` seconds from ``now``, ends before
+    ``deadline`` (None: no limit); when it cannot, says so in the log."""
+    if deadline is None:
+        return True
+    left = deadline - now
+    if need_s <= left:
+        return True
+    progress(
+        f"{what}: skipped, it needs at least {need_s:.0f} s and {max(left, 0):.0f} s are "
+        "left before the run's deadline"
+    )
+    return False
 
 
 def run_deadline(

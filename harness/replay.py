@@ -975,6 +975,23 @@ def server_versions(python: Path) -> dict[str, str]:
     return versions
 
 
+def server_provenance(
+    python: Path, argv: Sequence[str], **extra: str
+) -> Callable[[], dict[str, Any]]:
+    """What each result of a served run records: :func:`harness.results.provenance` of
+    ``python -m harness ARGV``, with the vLLM, torch and CUDA versions of ``python``, the
+    interpreter that runs ``vllm serve`` (read once, here), and ``extra``."""
+    versions = server_versions(python)
+
+    def prov() -> dict[str, Any]:
+        record = results.provenance(["python", "-m", "harness", *argv] if argv else None)
+        record.update(torch=versions["torch"], cuda=versions["cuda"], vllm=versions["vllm"])
+        record.update(extra)
+        return record
+
+    return prov
+
+
 def main(
     project: Project,
     experiment: str,
@@ -1026,17 +1043,9 @@ def main(
         from harness import checkpoint
 
         checkpoint.write(Path(model))
-    versions = server_versions(python)
     runner.nvml = nvml
     runner.nvml_note = "" if nvml else "no NVML bindings importable: power/PCIe not sampled"
-
-    def prov() -> dict[str, Any]:
-        record = results.provenance(["python", "-m", "harness", *argv] if argv else None)
-        record.update(torch=versions["torch"], cuda=versions["cuda"], vllm=versions["vllm"])
-        record["server_python"] = str(python)
-        return record
-
-    runner.provenance = prov
+    runner.provenance = server_provenance(python, argv, server_python=str(python))
     written = runner.run()
     if experiment == "ttft" and written:
         try:

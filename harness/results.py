@@ -113,10 +113,11 @@ def write(path: Path, kind: str, data: dict[str, Any], prov: dict[str, Any]) -> 
     return path
 
 
-# Row keys of the summaries (harness.e2e.summarize, scripts/staging_replay.py),
-# which hold their rows at the top level instead of under ``data``.
+# Row keys of the summaries (harness.e2e.summarize, harness.soak.summarize,
+# scripts/staging_replay.py), which hold their rows at the top level instead of under ``data``.
 SUMMARY_ROWS: dict[str, tuple[str, ...]] = {
     "e2e-summary": ("decode", "ttft"),
+    "soak-summary": ("arms", "faults"),
     "staging-summary": ("rows",),
 }
 

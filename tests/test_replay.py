@@ -19,10 +19,14 @@ from harness import replay, results
 from harness.project import REPO, HarnessError, Pin, Project
 
 FAKE_VLLM = r'''
-"""Stands in for the `vllm` CLI: `serve` (HTTP /health and /metrics) and `bench serve`."""
-import http.server, json, os, subprocess, sys, time
+"""Stands in for the `vllm` CLI: `serve` (HTTP /health, /metrics and /v1/completions) and
+`bench serve`. FAKE_VLLM_SOAK (comma-separated) changes what `serve` does for the soak:
+bad-500 (a 500 for too many logprobs), pool-differs (other greedy texts with the pool),
+ignore-sigterm, late-fault (a bad pool flag refused after weight loading)."""
+import http.server, json, os, signal, subprocess, sys, time
 
 mode = os.environ.get("FAKE_VLLM_MODE", "ok")
+soak = os.environ.get("FAKE_VLLM_SOAK", "").split(",")
 state = os.environ["FAKE_VLLM_DIR"]
 
 def opt(name, default=None):
@@ -34,7 +38,25 @@ if sys.argv[1] == "serve":
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     with open(os.path.join(state, "child.pid"), "w") as fh:
         fh.write(str(child.pid))
+    if "ignore-sigterm" in soak:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rows, gb = opt("--moe-expert-pool-rows"), opt("--moe-expert-pool-gb")
+    fault = (  # as vLLM refuses them (top_k 4), before weight loading
+        f"ValueError: --moe-expert-pool-rows={rows}: the pool needs at least top_k=4 rows "
+        "per layer" if rows and int(rows) < 4 else
+        "ValueError: moe_expert_pool_rows and moe_expert_pool_gb are mutually exclusive"
+        if rows and gb else None
+    )
+    if fault and "late-fault" not in soak:
+        print(fault, flush=True)
+        sys.exit(1)
     print("INFO Model loading took 21.94 GiB memory and 3.2 seconds", flush=True)
+    if fault:
+        print(fault, flush=True)
+        sys.exit(1)
+    if rows or gb:
+        print(f"INFO Expert pool: 2 layers x 16 experts, {min(int(rows or 99), 15)} rows per "
+              "layer", flush=True)
     if mode == "oom":
         print("(EngineCore pid=7) torch.OutOfMemoryError: CUDA out of memory. "
               "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 31.36 GiB", flush=True)
@@ -69,6 +91,12 @@ if sys.argv[1] == "serve":
                     f'{per_pos}{{{labels},position="2"}} {41 * n}\n'
                     "vllm:num_requests_running 0\n"
                 ).encode()
+                if rows or gb:
+                    body += (
+                        f'vllm:moe_expert_pool_hits_total{{{labels},layer="0"}} {10 * n}\n'
+                        f'vllm:moe_expert_pool_misses_total{{{labels},layer="0"}} {2 * n}\n'
+                        f"vllm:moe_expert_pool_route_error{{{labels}}} 0\n"
+                    ).encode()
                 self.send_response(200)
                 self.end_headers()
                 self.wfile.write(body)
@@ -76,10 +104,50 @@ if sys.argv[1] == "serve":
             self.send_response(404)
             self.end_headers()
 
+        def answer(self, code, payload):
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self):  # /v1/completions, token-id prompts
+            try:
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            except ValueError:
+                return self.answer(400, {"error": {"message": "malformed JSON"}})
+            prompt, n = req.get("prompt") or [], req.get("max_tokens", 16)
+            for code, message, bad in (
+                (404, "no such model", req.get("model") != sys.argv[2]),
+                (400, "empty prompt", not prompt),
+                (400, "token id out of vocabulary", max(prompt or [0]) >= 512),
+                (400, "max_tokens past the context", n > int(opt("--max-model-len", 1024))),
+                (400, "n too large", req.get("n", 1) > 16384),
+                (500 if "bad-500" in soak else 400, "logprobs too large",
+                 (req.get("logprobs") or 0) > 20),
+            ):
+                if bad:
+                    return self.answer(code, {"error": {"message": message}})
+            base = 65 if "pool-differs" in soak and (rows or gb) else 97
+            text = [chr(base + (sum(prompt) + i) % 26) for i in range(n)]
+            if not req.get("stream"):
+                return self.answer(200, {"choices": [{"text": "".join(text)}]})
+            self.send_response(200)
+            self.end_headers()
+            try:
+                for token in text:
+                    time.sleep(0.002)
+                    chunk = json.dumps({"choices": [{"text": token}]})
+                    self.wfile.write(f"data: {chunk}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client dropped the stream
+
         def log_message(self, *args):
             pass
 
-    http.server.HTTPServer(("127.0.0.1", int(opt("--port"))), Handler).serve_forever()
+    http.server.ThreadingHTTPServer(("127.0.0.1", int(opt("--port"))), Handler).serve_forever()
 
 elif sys.argv[1:3] == ["bench", "serve"]:
     with open(os.path.join(state, "bench.jsonl"), "a") as fh:
