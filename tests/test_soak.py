@@ -203,7 +203,7 @@ def test_the_dry_run_prints_servers_churn_bad_requests_shutdown_and_faults(
     serves = [line for line in out.splitlines() if " serve " in line]
     assert len(serves) == 2 and "--moe-expert-pool-rows 32" in serves[0]
     assert "--moe-expert-pool-rows" not in serves[1]
-    assert "# churn: 16 clients for 150 s" in out and "# shutdown: 4 streaming" in out
+    assert "# churn: 48 clients for 150 s" in out and "# shutdown: 4 streaming" in out
     assert all(f"#   {name} (" in out for name in soak.BAD_REQUESTS)
     assert '"max_tokens": 90113' in out  # past the profile's context of 90112
     assert main(["replay", "soak", "--dry-run", "--faults", "--churn-s", "60",
@@ -239,9 +239,10 @@ def test_profiles_load_and_bad_ones_are_refused(tmp_path: Path) -> None:
     for edit, error in [
         (("clients =", "client ="), r"churn: unknown keys \['client'\]"),
         (("arms = [", "arms = ['uvm', "), "arm 'uvm' is not in e2e profile"),
-        (("prompt_len = [16, 512]", "prompt_len = [512, 16]"), "churn.prompt_len must be"),
+        (("prompt_len = [16, 2048]", "prompt_len = [2048, 16]"), "churn.prompt_len must be"),
         (('e2e_profile = "glm-shape-h200"', 'e2e_profile = "x"'), "e2e_profile must be"),
     ]:
+        assert edit[0] in text, edit
         bad.write_text(text.replace(*edit, 1))
         with pytest.raises(soak.HarnessError, match=error):
             soak.load_profiles(bad)
