@@ -145,6 +145,9 @@ class Goals:
     flat_within: float = 0.01
     exit_within_s: float = 30.0
     gpu_released_within_mib: float = 1024.0
+    # Host memory in use (system-wide) after the exit, against before the start: pinned
+    # pages the server held and did not give back stay in use.
+    host_released_within_mib: float = 2048.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +425,17 @@ def tree_memory(pgid: int) -> dict[str, Any]:
         "processes": members,
         **{key: sum(m[key] for m in members) for key in STATUS_FIELDS.values()},
     }
+
+
+def host_used_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Host memory in use, system-wide (``MemTotal - MemAvailable``): it counts the pinned
+    pages that ``VmLck``/``VmPin`` miss (CUDA's pinned allocations are not accounted to
+    the process), and not the page cache, which is available. None where unreadable."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def gpu_memory(nvml: Any | None) -> dict[str, float] | None:
@@ -702,6 +716,7 @@ class Runner:
             marks[phase] = server.log.stat().st_size if server.log.exists() else 0
 
         data["gpu_mib_before_start"] = gpu_memory(self.nvml)
+        data["host_used_before_start"] = host_used_bytes()
         started = self.clock()
         try:
             with server:
@@ -755,6 +770,7 @@ class Runner:
         return {
             "gpu_mib": gpu_memory(self.nvml),
             "host": tree_memory(pgid),
+            "host_used_bytes": host_used_bytes(),
             "pool_metrics": replay.scrape_metrics(url, e2e.POOL_METRICS),
         }
 
@@ -844,6 +860,7 @@ class Runner:
             "escalated_to_sigkill": escalated,
             "returncode": server.proc.poll(),
             "gpu_mib_after_exit": after,
+            "host_used_after_exit": host_used_bytes(),
             "replies": [{k: r.get(k) for k in ("status", "tokens", "error")} for r in replies],
         }
 
@@ -1038,13 +1055,23 @@ def _flat(data: Mapping[str, Any], goals: Mapping[str, Any]) -> dict[str, dict[s
     pinned = (a["locked_bytes"] + a["pinned_bytes"], b["locked_bytes"] + b["pinned_bytes"])
     rss_text = (f"host RSS {a['rss_bytes'] / 2**30:.2f} -> {b['rss_bytes'] / 2**30:.2f} GiB "
                 f"({rss:+.2%})")  # fmt: skip
-    if pinned == (0, 0):
+    used = (first.get("host_used_bytes"), last.get("host_used_bytes"))
+    if pinned == (0, 0) and None in used:
         host = _check_row(
             NOT_MEASURED,
-            "VmLck and VmPin read 0 in every process of the server: the kernel accounts no "
-            f"locked or pinned pages to it; {rss_text}",
+            "VmLck and VmPin read 0 in every process of the server (the kernel accounts no "
+            f"locked or pinned pages to it) and /proc/meminfo was not read; {rss_text}",
             rss_growth=rss,
         )
+    elif pinned == (0, 0):
+        held = _growth(*used)
+        host = _check_row(
+            PASS if abs(held) <= within else FAIL,
+            "VmLck and VmPin read 0 (CUDA's pinned pages are not accounted to the process), "
+            f"so host memory in use, system-wide: {used[0] / 2**30:.2f} -> "
+            f"{used[1] / 2**30:.2f} GiB ({held:+.2%}); {rss_text}",
+            growth=held, rss_growth=rss,
+        )  # fmt: skip
     else:
         held = _growth(*pinned)
         host = _check_row(
@@ -1202,11 +1229,13 @@ def _sigterm_check(data: Mapping[str, Any], goals: Mapping[str, Any]) -> dict[st
         status = FAIL if not in_time else NOT_MEASURED
         return _check_row(status, f"{said}; GPU memory not measured (no NVML)", exit_s=exit_s)
     released = _released(before, after, goals["gpu_released_within_mib"])
-    return _check_row(
-        PASS if in_time and released else FAIL,
-        f"{said}; GPU memory before the start {before}, after the exit {after} MiB",
-        exit_s=exit_s,
-    )
+    said += f"; GPU memory before the start {before}, after the exit {after} MiB"
+    host = (data.get("host_used_before_start"), down.get("host_used_after_exit"))
+    if None not in host:
+        kept_mib = (host[1] - host[0]) / 2**20
+        released = released and kept_mib <= goals["host_released_within_mib"]
+        said += f"; host memory in use {kept_mib:+.0f} MiB from before the start"
+    return _check_row(PASS if in_time and released else FAIL, said, exit_s=exit_s)
 
 
 def fault_check(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -58,7 +58,12 @@ def _statuses(summary: dict[str, Any], arm: str) -> dict[str, str]:
 
 
 @pytest.mark.usefixtures("fake")
-def test_a_soak_of_the_pool_and_the_resident_arm_passes_what_it_measures(tmp_path: Path) -> None:
+def test_a_soak_of_the_pool_and_the_resident_arm_passes_what_it_measures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fake pins nothing; a fixed host reading keeps other processes of this
+    # machine out of the flatness and release checks.
+    monkeypatch.setattr(soak, "host_used_bytes", lambda: 8 << 30)
     out = tmp_path / "out"
     written = _runner(out, FakeNvml()).run(["pool", "resident"])
     assert {p.name for p in written} >= {"soak-pool.json", "soak-resident.json"}
@@ -79,7 +84,7 @@ def test_a_soak_of_the_pool_and_the_resident_arm_passes_what_it_measures(tmp_pat
     written = soak.write_summary(out)
     assert results.validate(written[0]) == []
     summary = json.loads(written[0].read_text())
-    measured = dict.fromkeys(soak.CHECKS, soak.PASS) | {"pinned_flat": soak.NOT_MEASURED}
+    measured = dict.fromkeys(soak.CHECKS, soak.PASS)
     assert _statuses(summary, "pool") == measured
     assert _statuses(summary, "resident") == measured | {
         "route_error": soak.NOT_MEASURED, "greedy_equal": soak.NOT_MEASURED,
@@ -136,6 +141,29 @@ def test_more_pinned_bytes_at_the_second_checkpoint_fail_the_flatness_check() ->
     assert flat["gpu_memory_flat"]["status"] == soak.NOT_MEASURED
     grown = soak._flat({"checkpoints": [point(100 << 30, 1), point(102 << 30, 1)]}, goals)
     assert grown["pinned_flat"]["status"] == soak.FAIL
+    # CUDA's pinned pages are not in VmLck/VmPin: host memory in use stands in for them.
+    unaccounted = [{**point(0, 1), "host_used_bytes": used} for used in (40 << 30, 41 << 30)]
+    proxy = soak._flat({"checkpoints": unaccounted}, goals)["pinned_flat"]
+    assert proxy["status"] == soak.FAIL and "host memory in use" in proxy["detail"]
+    unaccounted[1]["host_used_bytes"] = 40 << 30
+    assert soak._flat({"checkpoints": unaccounted}, goals)["pinned_flat"]["status"] == soak.PASS
+    unaccounted[1]["host_used_bytes"] = None
+    assert soak._flat({"checkpoints": unaccounted}, goals)["pinned_flat"]["status"] == (
+        soak.NOT_MEASURED
+    )
+
+
+def test_host_memory_kept_after_the_exit_fails_the_sigterm_check() -> None:
+    goals = {"exit_within_s": 30, "gpu_released_within_mib": 1024,
+             "host_released_within_mib": 2048}  # fmt: skip
+    down = {"alive_at_signal": True, "exit_s": 3.0, "streaming_at_signal": 4, "in_flight": 4,
+            "gpu_mib_after_exit": {"0": 600.0}, "host_used_after_exit": 12 << 30}  # fmt: skip
+    data = {"shutdown": down, "gpu_mib_before_start": {"0": 500.0},
+            "host_used_before_start": 11 << 30}  # fmt: skip
+    assert soak._sigterm_check(data, goals)["status"] == soak.PASS
+    down["host_used_after_exit"] = 40 << 30  # 29 GiB of pinned experts not given back
+    kept = soak._sigterm_check(data, goals)
+    assert kept["status"] == soak.FAIL and "+29696 MiB" in kept["detail"]
 
 
 @pytest.mark.usefixtures("fake")
@@ -266,3 +294,12 @@ def test_error_messages_of_vllm_and_fastapi_bodies() -> None:
     assert soak.error_message('{"detail": [{"msg": "x"}]}') == "[{'msg': 'x'}]"
     assert soak.error_message('{"error": {}}') == ""
     assert soak.error_message("Internal Server Error") == "Internal Server Error"
+
+
+def test_host_memory_in_use_is_total_less_available(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  131072000 kB\nMemFree: 1000 kB\nMemAvailable: 100000000 kB\n")
+    assert soak.host_used_bytes(meminfo) == 31072000 * 1024
+    meminfo.write_text("MemTotal:  131072000 kB\n")
+    assert soak.host_used_bytes(meminfo) is None
+    assert soak.host_used_bytes(tmp_path / "missing") is None
