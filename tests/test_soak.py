@@ -44,6 +44,16 @@ class GrowingNvml(FakeNvml):
         return _Obj(used=(30 + self.calls) * 2**30)
 
 
+HOST_USED_BYTES = soak.host_used_bytes
+
+
+@pytest.fixture(autouse=True)
+def _steady_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake pins nothing; a fixed host reading keeps the other processes of this
+    machine out of the flatness and release checks."""
+    monkeypatch.setattr(soak, "host_used_bytes", lambda: 8 << 30)
+
+
 def _runner(out: Path, nvml: Any = None, **kw: Any) -> soak.Runner:
     script = Path(os.environ["FAKE_VLLM_DIR"]).parent / "fake_vllm.py"  # test_replay's `fake`
     options: dict[str, Any] = dict(
@@ -58,12 +68,7 @@ def _statuses(summary: dict[str, Any], arm: str) -> dict[str, str]:
 
 
 @pytest.mark.usefixtures("fake")
-def test_a_soak_of_the_pool_and_the_resident_arm_passes_what_it_measures(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The fake pins nothing; a fixed host reading keeps other processes of this
-    # machine out of the flatness and release checks.
-    monkeypatch.setattr(soak, "host_used_bytes", lambda: 8 << 30)
+def test_a_soak_of_the_pool_and_the_resident_arm_passes_what_it_measures(tmp_path: Path) -> None:
     out = tmp_path / "out"
     written = _runner(out, FakeNvml()).run(["pool", "resident"])
     assert {p.name for p in written} >= {"soak-pool.json", "soak-resident.json"}
@@ -299,7 +304,7 @@ def test_error_messages_of_vllm_and_fastapi_bodies() -> None:
 def test_host_memory_in_use_is_total_less_available(tmp_path: Path) -> None:
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  131072000 kB\nMemFree: 1000 kB\nMemAvailable: 100000000 kB\n")
-    assert soak.host_used_bytes(meminfo) == 31072000 * 1024
+    assert HOST_USED_BYTES(meminfo) == 31072000 * 1024
     meminfo.write_text("MemTotal:  131072000 kB\n")
-    assert soak.host_used_bytes(meminfo) is None
-    assert soak.host_used_bytes(tmp_path / "missing") is None
+    assert HOST_USED_BYTES(meminfo) is None
+    assert HOST_USED_BYTES(tmp_path / "missing") is None
