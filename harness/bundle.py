@@ -1066,9 +1066,10 @@ def plan_carry(
 ) -> CarryPlan:
     """Plan the device calls that bring ``bundle_dir`` (inside ``root``) to the host.
 
-    The largest bundle entries are carried ahead, each earlier call as full as
-    one call allows (by bytes and by paths), until the rest fits the last call
-    with the tree, by bytes and by paths.
+    The largest bundle entries are carried ahead until the rest fits the last
+    call with the tree by bytes, then the smallest until it fits by paths; the
+    entries ahead are packed first fit, largest first, each earlier call as full
+    as one call allows (by bytes and by paths).
 
     Raises:
         HarnessError: ``bundle_dir`` is not inside ``root``; the tree leaves no
@@ -1105,12 +1106,15 @@ def plan_carry(
         )
     remaining, count = total, len(entries)
     ahead: list[tuple[str, int]] = []
-    for entry in movable:
-        if remaining <= room and count <= call_paths:
-            break
+    rest = list(movable)  # largest first
+    while rest and (remaining > room or count > call_paths):
+        # The largest entries ahead until the bytes fit; then, for the paths, the
+        # smallest, which fit into calls already planned.
+        entry = rest.pop(0 if remaining > room else -1)
         ahead.append(entry)
         remaining -= entry[1]
         count -= 1
+    ahead.sort(key=lambda e: (-e[1], e[0]))
     if remaining > room or count > call_paths:
         raise HarnessError(
             f"no plan keeps the last call within {call_bytes / MiB:.0f} MiB and "

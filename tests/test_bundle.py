@@ -1138,11 +1138,25 @@ def test_more_entries_go_ahead_when_the_last_call_would_name_too_many_paths(
     tree = bundle.travelling_tree_bytes(root)
     plan = bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1000, call_paths=8)
     # By bytes moving _C (500) and _moe_C (400) would do; 12 paths would be
-    # left, so the next largest go ahead too, and share earlier calls.
+    # left, so the smallest go ahead too, and share the call planned for those.
     assert len(plan.final) <= 8
     assert all(len(call) <= 8 for call in plan.staged)
     carried = sorted(p for call in (*plan.staged, plan.final) for p in call)
     assert len(carried) == len(set(carried)) == 13  # the wheels folder as one path
+    assert len(plan.staged) == 1
+
+
+def test_paths_over_the_limit_go_ahead_as_small_entries_not_a_call_more(
+    tmp_path: Path,
+) -> None:
+    # The 0.34.0 bundle's shape: two large entries ahead fill a call by bytes; one
+    # more path must go too, and the smallest fits beside them.
+    sizes = {**BUNDLE_SIZES, "kernels-fa3.tar.xz": 470, "marlin.tar.xz": 30}
+    root = carry_repo(tmp_path, sizes, {"a.txt": 1000})
+    tree = bundle.travelling_tree_bytes(root)
+    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1000, call_paths=8)
+    assert len(plan.staged) == 1 and len(plan.final) <= 8
+    assert ".bundle/tests.tar.xz" in plan.staged[0]
 
 
 def test_a_shared_folder_travels_even_when_ignored(tmp_path: Path) -> None:
