@@ -1151,12 +1151,16 @@ def test_paths_over_the_limit_go_ahead_as_small_entries_not_a_call_more(
 ) -> None:
     # The 0.34.0 bundle's shape: two large entries ahead fill a call by bytes; one
     # more path must go too, and the smallest fits beside them.
-    sizes = {**BUNDLE_SIZES, "kernels-fa3.tar.xz": 470, "marlin.tar.xz": 30}
+    sizes = {**BUNDLE_SIZES, "kernels-fa3.tar.xz": 470, "marlin.tar.xz": 30, "extra.tar.xz": 5}
     root = carry_repo(tmp_path, sizes, {"a.txt": 1000})
     tree = bundle.travelling_tree_bytes(root)
-    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1000, call_paths=8)
-    assert len(plan.staged) == 1 and len(plan.final) <= 8
-    assert ".bundle/tests.tar.xz" in plan.staged[0]
+    plan = bundle.plan_carry(root, root / ".bundle", call_bytes=tree + 1100, call_paths=8)
+    assert len(plan.staged) == 1 and len(plan.final) == 8
+    assert plan.staged[0] == (
+        ".bundle/extra.tar.xz",
+        ".bundle/kernels-_C.tar.xz",
+        ".bundle/kernels-fa3.tar.xz",
+    )
 
 
 def test_a_shared_folder_travels_even_when_ignored(tmp_path: Path) -> None:
