@@ -1305,6 +1305,15 @@ def summarize(folder: Path) -> dict[str, Any]:
     }
 
 
+def _latency_cell(churn: Mapping[str, Any]) -> str:
+    """Time to the first chunk and gaps between chunks of the churn's streamed requests."""
+    ttft, gap = churn.get("ttft_ms"), churn.get("gap_ms")
+    if not ttft or not gap:
+        return "not measured"
+    return (f"time to first token {ttft['p50'] / 1000:.2f} / {ttft['p99'] / 1000:.2f} s, "
+            f"inter-token {gap['p50']:.0f} / {gap['p99']:.0f} ms")  # fmt: skip
+
+
 def summary_markdown(summary: Mapping[str, Any]) -> str:
     """The goal checks as tables (``summary.md``)."""
     arms = summary["arms"]
@@ -1324,6 +1333,9 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
             check = arm["checks"][key]
             cells.append(f"**{check['status']}**: {check['detail']}".replace("|", "\\|"))
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    lines.append("| churn latency, p50 / p99 (reported, no goal) | " + " | ".join(
+        _latency_cell(arm.get("churn") or {}) for arm in arms.values()
+    ) + " |")  # fmt: skip
     lines += ["", "## Start-up faults", "",
               "| fault | expected | observed | check |", "| --- | --- | --- | --- |"]  # fmt: skip
     for name, fault in summary["faults"].items():

@@ -96,6 +96,8 @@ def test_a_soak_of_the_pool_and_the_resident_arm_passes_what_it_measures(tmp_pat
     }  # fmt: skip
     checks = summary["arms"]["pool"]["checks"]
     assert "VmLck and VmPin read 0" in checks["pinned_flat"]["detail"]
+    latency = next(ln for ln in written[1].read_text().splitlines() if "churn latency" in ln)
+    assert latency.count("time to first token") == 2 and "not measured" not in latency
     assert checks["greedy_equal"]["equal"] == [True, True]
     assert summary["not_measured"] == []
     assert "| requests answered during the churn" in written[1].read_text()
