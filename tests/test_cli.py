@@ -151,7 +151,7 @@ def test_every_subcommand_argument_has_help():
         ("`python -m harness build [--full]", "`python -m harness build [--fast]"),
         ("ttft\\|decode\\|oom\\|plot\\|e2e", "ttft\\|decode\\|oom"),
         ("results/e2e/README.md (Which flag)", "results/e2e (Which flag)"),
-        ("upstream, blocked", "upstream"),
+        ("`upstream`; `blocked`: a prerequisite fails;", "`upstream`;"),
         ("MXFP4, MXFP8)", "MXFP4)"),
     ],
     ids=["command", "option", "experiment", "doc", "matrix", "kernels"],
