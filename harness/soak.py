@@ -1,4 +1,4 @@
-"""Stage 7c: a soak and robustness replay of a served expert pool (issue #38).
+"""Stage 7c: a soak and robustness replay of a served expert pool.
 
 ``python -m harness replay soak --profile glm-shape-h200`` asks what a maintainer
 asks before a server with the pool runs for days: does it stay correct, flat in
@@ -139,7 +139,7 @@ class Shutdown:
 
 @dataclasses.dataclass(frozen=True)
 class Goals:
-    """Issue #38's thresholds."""
+    """The thresholds the checks hold an arm to (a profile's ``goals`` table)."""
 
     min_requests: int = 500
     flat_within: float = 0.01
@@ -1100,7 +1100,7 @@ CHECKS = {
 def arm_checks(
     data: Mapping[str, Any], reference: Mapping[str, Any] | None
 ) -> dict[str, dict[str, Any]]:
-    """Issue #38's goal checks of one arm's record (``reference``: the resident arm's)."""
+    """The goal checks of one arm's record (``reference``: the resident arm's)."""
     goals = data["goals"]
     if data.get("state") != "ok":
         why = f"the server did not start ({data.get('state', 'cut before /health')})"
