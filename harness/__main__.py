@@ -494,16 +494,11 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         metavar="NAMES",
         help="start the server with the profile's bad pool configurations instead of "
         "soaking the arms (all of them, or the comma-separated NAMES of rows-below-top-k, "
-        "rows-above-experts, gb-above-experts, rows-and-gb, dense-model, "
-        "pin-memory-disabled, host-ram-below-pool), and record whether each fails before "
-        "weight loading with the message the tree gives, or starts where that is documented",
-    )
-    k.add_argument(
-        "--dense-checkpoint",
-        type=_path,
-        metavar="DIR",
-        help="a dense model for the dense-model fault (without it that fault is recorded "
-        "as not run)",
+        "rows-above-experts, gb-above-experts, rows-and-gb, dense-model, non-nvfp4-moe, "
+        "pin-memory-disabled, host-ram-below-pool; the dense and bf16 models of two of "
+        "them are small ones the run writes under OUT/models), and record whether each "
+        "fails before weight loading with the message the tree gives, or starts where "
+        "that is documented",
     )
     k.add_argument(
         "--churn-s",
@@ -578,8 +573,8 @@ def _cmd_served(project: Project, args: argparse.Namespace) -> int:
     if soaking:
         return soak.main(
             profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
-            checkpoint_dir=args.checkpoint, dense_checkpoint=args.dense_checkpoint,
-            faults=args.faults, churn_s=args.churn_s, dry_run=args.dry_run,
+            checkpoint_dir=args.checkpoint, faults=args.faults, churn_s=args.churn_s,
+            dry_run=args.dry_run,
             deadline_s=args.deadline_s, argv=sys.argv[1:],
         )  # fmt: skip
     return e2e.main(

@@ -28,6 +28,12 @@ parses it back for tests.
 
 The weights are noise: the model produces arbitrary tokens. It exists to
 exercise loading, the MoE kernels, serving and the benchmarks, not accuracy.
+
+Two variants serve as models the expert pool must refuse or leave alone
+(:mod:`harness.soak`'s start-up faults): ``Spec(weights="bf16")``, the same
+MoE with every linear in bf16 and no quantization config, and
+``Spec(dense=True)``, a ``Qwen3ForCausalLM`` whose layers have one MLP of
+``moe_intermediate_size`` in place of the experts.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ from typing import Any
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
+DENSE_ARCHITECTURE = "Qwen3ForCausalLM"
+DENSE_MODEL_TYPE = "qwen3"
+WEIGHTS = ("nvfp4", "bf16")  # how the linears are stored
 GROUP_SIZE = 16  # NVFP4: one e4m3 scale per 16 weights along the input dimension
 EXCLUDED = ["lm_head", "model.layers.*.mlp.gate"]
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -72,6 +81,8 @@ class Spec:
     seed: int = 0
     shard_bytes: int = 4 << 20
     zipf_s: float = 1.0  # the skewed router's exponent (harness.checkpoint_routed)
+    weights: str = "nvfp4"  # one of WEIGHTS
+    dense: bool = False  # one MLP per layer in place of the experts
 
     def check(self) -> None:
         """Raise ``ValueError`` for shapes the NVFP4 layout cannot express."""
@@ -88,6 +99,8 @@ class Spec:
             raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}")
         if self.shard_bytes < 1:
             raise ValueError("shard_bytes must be positive")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +161,12 @@ def f32_scalar(value: float) -> bytes:
 
 
 def config(spec: Spec) -> dict[str, Any]:
-    """``config.json``, with the ModelOpt quantization block vLLM detects."""
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+    """``config.json``, with the ModelOpt quantization block vLLM detects (NVFP4 weights)."""
+    body = {
+        "architectures": [DENSE_ARCHITECTURE if spec.dense else ARCHITECTURE],
+        "model_type": DENSE_MODEL_TYPE if spec.dense else MODEL_TYPE,
         "hidden_size": spec.hidden_size,
-        "intermediate_size": 2 * spec.moe_intermediate_size,
+        "intermediate_size": (1 if spec.dense else 2) * spec.moe_intermediate_size,
         "moe_intermediate_size": spec.moe_intermediate_size,
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.num_attention_heads,
@@ -176,15 +189,21 @@ def config(spec: Spec) -> dict[str, Any]:
         "bos_token_id": 256,
         "eos_token_id": 256,
         "torch_dtype": "bfloat16",
-        "quantization_config": {
+    }
+    if spec.dense:
+        for key in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"):  # fmt: skip
+            del body[key]
+    if spec.weights == "nvfp4":
+        body["quantization_config"] = {
             "quant_method": "modelopt",
             "quant_algo": "NVFP4",
             "kv_cache_quant_algo": None,
             "group_size": GROUP_SIZE,
             "ignore": list(EXCLUDED),
             "producer": {"name": "modelopt", "version": "synthetic"},
-        },
-    }
+        }
+    return body
 
 
 def hf_quant_config() -> dict[str, Any]:
@@ -268,6 +287,11 @@ def layout(spec: Spec) -> Iterator[Part]:
         yield Part(f"{p}.self_attn.k_proj", "linear", (kv_out, h), layer)
         yield Part(f"{p}.self_attn.v_proj", "linear", (kv_out, h), layer)
         yield Part(f"{p}.self_attn.o_proj", "linear_out", (h, q_out), layer)
+        if spec.dense:
+            yield Part(f"{p}.mlp.gate_proj", "linear", (inter, h), layer)
+            yield Part(f"{p}.mlp.up_proj", "linear", (inter, h), layer)
+            yield Part(f"{p}.mlp.down_proj", "linear_out", (h, inter), layer)
+            continue
         yield Part(f"{p}.mlp.gate.weight", "router", (spec.experts, h), layer)
         for expert in range(spec.experts):
             e = f"{p}.mlp.experts.{expert}"
@@ -282,7 +306,9 @@ def tensors(spec: Spec) -> Iterator[tuple[str, Tensor]]:
     """Every tensor of the small checkpoint, drawn in :func:`layout`'s order from one seed."""
     w = _Weights(spec.seed)
     for part in layout(spec):
-        if part.kind in LINEAR_KINDS:
+        if part.kind in LINEAR_KINDS and spec.weights == "bf16":
+            yield f"{part.name}.weight", w.normal(part.shape, 0.02)
+        elif part.kind in LINEAR_KINDS:
             yield from w.nvfp4(part.name, *part.shape)
         elif part.kind == "norm":
             yield part.name, w.ones(part.shape[0])
@@ -454,7 +480,7 @@ def write_documents(out: Path, spec: Spec, weight_map: dict[str, str], total: in
     """The JSON files beside the shards: configs, index and tokenizer."""
     documents: dict[str, Any] = {
         "config.json": config(spec),
-        "hf_quant_config.json": hf_quant_config(),
+        **({"hf_quant_config.json": hf_quant_config()} if spec.weights == "nvfp4" else {}),
         "generation_config.json": {"bos_token_id": 256, "eos_token_id": 256},
         "model.safetensors.index.json": {
             "metadata": {"total_size": total},

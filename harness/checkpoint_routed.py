@@ -314,6 +314,8 @@ def write(
     each server asks for). Another spec rewrites everything.
     """
     spec.check()
+    if spec.dense or spec.weights != "nvfp4":
+        raise ValueError("the routed writer writes NVFP4 MoE checkpoints only")
     for router in routers:
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}; known: {', '.join(ROUTERS)}")

@@ -461,8 +461,17 @@ class Fault:
     flags: Callable[[checkpoint.Spec], tuple[str, ...]]
     message: Callable[[checkpoint.Spec], str]  # a regex the log must match
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    dense: bool = False  # served on a dense checkpoint
+    # "": the profile's checkpoint; else a key of FAULT_MODELS, a small model the run
+    # writes itself, whose spec the flags and the message are made from
+    model: str = ""
     not_reproducible: str = ""  # why it is not run here ("" : it is)
+
+
+#: The small models of the faults that need a model the pool must not take.
+FAULT_MODELS = {
+    "dense": checkpoint.Spec(dense=True),
+    "bf16-moe": checkpoint.Spec(weights="bf16"),
+}
 
 
 def _rows(n: int) -> tuple[str, ...]:
@@ -504,12 +513,24 @@ FAULTS: dict[str, Fault] = {
         lambda s: r"moe_expert_pool_rows and moe_expert_pool_gb are mutually exclusive",
     ),
     "dense-model": Fault(
-        "--moe-expert-pool-rows on a dense model",
+        "--moe-expert-pool-rows on a dense model (a small NVFP4 Qwen3 without experts)",
         FAILS,
         "config/offload.py: OffloadConfig.verify_moe_expert_pool, as the config is validated",
         lambda s: _rows(s.top_k),
         lambda s: r"is not a mixture-of-experts model",
-        dense=True,
+        model="dense",
+    ),
+    "non-nvfp4-moe": Fault(
+        "--moe-expert-pool-rows on a bf16 MoE model (no quantization)",
+        STARTS,
+        "expert_pool/install.py: maybe_install_expert_pool warns once and leaves layers of "
+        "other quantization methods with every expert on the GPU",
+        lambda s: _rows(s.top_k),
+        lambda s: (
+            r"not ModelOpt NVFP4 on Marlin; they keep all their experts on the GPU "
+            r"\(no layer is pooled\)"
+        ),
+        model="bf16-moe",
     ),
     "pin-memory-disabled": Fault(
         "the pool with VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY=1",
@@ -552,7 +573,6 @@ class Runner:
     model: str  # the checkpoint folder of the profile's router
     spec: checkpoint.Spec
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    dense_model: str | None = None  # a dense checkpoint, for the dense-model fault
     dry_run: bool = False
     nvml: Any | None = None
     provenance: Callable[[], dict[str, Any]] = dataclasses.field(
@@ -583,7 +603,7 @@ class Runner:
             need = self._startup_need() if fault.expect == STARTS else self.profile.fault_floor_s
             if self._complete(f"fault-{name}"):
                 progress(f"fault-{name}.json is complete in {self.out}; not run again")
-            elif fault.not_reproducible or (fault.dense and not self.dense_model):
+            elif fault.not_reproducible:
                 self._fault_not_run(name, fault)
             elif self._fits(f"fault {name}", need):
                 self._fault(name, fault)
@@ -613,12 +633,25 @@ class Runner:
     def _options(self, arm: str) -> replay.ServerOptions:
         return e2e.server_options(self.profile.e2e, self.profile.e2e.arms[arm], self.spec, False)
 
+    def _fault_spec(self, fault: Fault) -> checkpoint.Spec:
+        return FAULT_MODELS[fault.model] if fault.model else self.spec
+
+    def _fault_model(self, fault: Fault) -> str:
+        """The checkpoint a fault's server loads: the profile's, or its small model,
+        written under ``OUT/models`` (in seconds) unless a dry run."""
+        if not fault.model:
+            return self.model
+        folder = self.out / "models" / fault.model
+        if not self.dry_run:
+            checkpoint.write(folder, FAULT_MODELS[fault.model])
+        return str(folder)
+
     def _fault_options(self, fault: Fault) -> replay.ServerOptions:
-        """The e2e profile's server with the fault's flags; a dense model gets the flags
+        """The e2e profile's server with the fault's flags; a small model gets the flags
         alone (the profile's context length or MoE backend could be refused first)."""
-        flags = fault.flags(self.spec)
-        if fault.dense:
-            return replay.ServerOptions(model="dense", extra_args=flags)
+        flags = fault.flags(self._fault_spec(fault))
+        if fault.model:
+            return replay.ServerOptions(model=fault.model, extra_args=flags)
         base = e2e.server_options(self.profile.e2e, e2e.Arm("fault", "none"), self.spec, False)
         return dataclasses.replace(base, extra_args=(*base.extra_args, *flags))
 
@@ -656,12 +689,11 @@ class Runner:
         for name in faults:
             fault = FAULTS[name]
             echo(f"## fault {name}: {fault.what}; expected: {fault.expect}, the log matching "
-                 f"/{fault.message(self.spec)}/ ({fault.source})")  # fmt: skip
+                 f"/{fault.message(self._fault_spec(fault))}/ ({fault.source})")  # fmt: skip
             if fault.not_reproducible:
                 echo(f"# not reproducible here: {fault.not_reproducible}")
                 continue
-            model = (self.dense_model or "<no --dense-checkpoint: not run>") if fault.dense \
-                else self.model  # fmt: skip
+            model = self._fault_model(fault)
             argv = self._server(name, self._fault_options(fault), model, {}).argv
             echo(shlex.join([*(f"{k}={v}" for k, v in fault.env.items()), *argv]))
 
@@ -867,23 +899,21 @@ class Runner:
     # -- faults
 
     def _fault_record(self, name: str, fault: Fault) -> dict[str, Any]:
+        spec = self._fault_spec(fault)
         return {
             "fault": name, "what": fault.what, "source": fault.source, "complete": True,
-            "expected": {"outcome": fault.expect, "message": fault.message(self.spec)},
+            "expected": {"outcome": fault.expect, "message": fault.message(spec)},
             "env": dict(fault.env),
+            "model": dataclasses.asdict(spec) if fault.model else None,
         }  # fmt: skip
 
     def _fault_not_run(self, name: str, fault: Fault) -> None:
-        reason = fault.not_reproducible or (
-            "no dense checkpoint: give one with --dense-checkpoint DIR (the harness writes "
-            "only MoE checkpoints and the GPU host has no network)"
-        )
         data = self._fault_record(name, fault)
-        data["observed"] = {"outcome": "not run", "reason": reason}
+        data["observed"] = {"outcome": "not run", "reason": fault.not_reproducible}
         self._record(f"fault-{name}", "soak-fault", data)
 
     def _fault(self, name: str, fault: Fault) -> None:
-        model = self.dense_model if fault.dense and self.dense_model else self.model
+        model = self._fault_model(fault)
         server = self._server(f"fault-{name}", self._fault_options(fault), model, fault.env)
         started = self.clock()
         with server:
@@ -892,7 +922,7 @@ class Runner:
         text = server.log.read_text(errors="replace") if server.log.exists() else ""
         if state == "ok":
             self.startups.append(seconds)
-        pattern = re.compile(fault.message(self.spec))
+        pattern = re.compile(fault.message(self._fault_spec(fault)))
         line = next((ln.strip() for ln in text.splitlines() if pattern.search(ln)), "")
         data = self._fault_record(name, fault)
         data["observed"] = {
@@ -1371,7 +1401,6 @@ def main(
     vllm_command: Sequence[str] = (),
     arms: Sequence[str] = (),
     checkpoint_dir: Path | None = None,
-    dense_checkpoint: Path | None = None,
     faults: Sequence[str] | None = None,
     churn_s: float | None = None,
     dry_run: bool = False,
@@ -1411,7 +1440,7 @@ def main(
         profile, out, list(vllm_command) or [str(python.parent / "vllm")],
         str(ckpt / profile.router), spec,
         env={"VLLM_LOG_STATS_INTERVAL": str(profile.e2e.measure.stats_interval_s)},
-        dense_model=str(dense_checkpoint) if dense_checkpoint else None, dry_run=dry_run,
+        dry_run=dry_run,
         deadline=None if dry_run else e2e.run_deadline(started, deadline_s, os.environ),
     )  # fmt: skip
     if dry_run:

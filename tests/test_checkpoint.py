@@ -194,3 +194,31 @@ def test_invalid_shapes_are_refused() -> None:
         Spec(hidden_size=200).check()
     with pytest.raises(ValueError, match="top_k"):
         Spec(experts=2, top_k=3).check()
+
+
+def test_the_bf16_and_dense_variants_are_models_the_pool_must_not_take(tmp_path: Path) -> None:
+    bf16 = checkpoint.write(tmp_path / "bf16", checkpoint.Spec(weights="bf16"))
+    dense = checkpoint.write(tmp_path / "dense", checkpoint.Spec(dense=True))
+    for folder in (bf16, dense):
+        index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        headers = {}
+        for shard in set(index.values()):
+            headers.update(checkpoint.read_safetensors_header(folder / shard))
+        headers.pop("__metadata__", None)
+        assert set(headers) == set(index)
+        names = set(index)
+        if folder == bf16:
+            config = json.loads((folder / "config.json").read_text())
+            assert "quantization_config" not in config and config["num_experts"] == 8
+            assert not (folder / "hf_quant_config.json").exists()
+            assert {h["dtype"] for h in headers.values()} == {"BF16"}
+            assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
+        else:
+            config = json.loads((folder / "config.json").read_text())
+            assert config["architectures"] == ["Qwen3ForCausalLM"]
+            assert "num_experts" not in config and config["intermediate_size"] == 256
+            assert not any(".experts." in n or n.endswith("mlp.gate.weight") for n in names)
+            assert headers["model.layers.1.mlp.down_proj.weight"]["shape"] == [256, 128]
+            assert (folder / "hf_quant_config.json").exists()
+    with pytest.raises(ValueError, match="weights must be one of"):
+        checkpoint.Spec(weights="fp8").check()

@@ -57,6 +57,9 @@ def test_routed_checkpoint_is_reused_only_when_current(tmp_path: Path) -> None:
     other = dataclasses.replace(SMALL, seed=1)
     checkpoint_routed.write(tmp_path, other, ("skewed",), workers=1, echo=said.append)
     assert "not rewritten" not in said[-1] and shard.read_bytes() != before
+    for variant in ({"dense": True}, {"weights": "bf16"}):
+        with pytest.raises(ValueError, match="NVFP4 MoE checkpoints only"):
+            checkpoint_routed.write(tmp_path, dataclasses.replace(SMALL, **variant), ("skewed",))
 
 
 def test_a_router_is_added_beside_the_shared_shards_without_rewriting_them(

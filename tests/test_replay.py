@@ -41,7 +41,16 @@ if sys.argv[1] == "serve":
     if "ignore-sigterm" in soak:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     rows, gb = opt("--moe-expert-pool-rows"), opt("--moe-expert-pool-gb")
+    config = os.path.join(sys.argv[2], "config.json")
+    config = json.load(open(config)) if os.path.exists(config) else {}
+    if rows and config and "quantization_config" not in config:
+        print("WARNING --moe-expert-pool-rows: 2 MoE layer(s) of Qwen3MoeForCausalLM use "
+              "UnquantizedFusedMoEMethod, not ModelOpt NVFP4 on Marlin; they keep all their "
+              "experts on the GPU (no layer is pooled).", flush=True)
+        rows = None
     fault = (  # as vLLM refuses them (top_k 4), before weight loading
+        f"ValueError: --moe-expert-pool-rows={rows}: {sys.argv[2]} is not a "
+        "mixture-of-experts model" if rows and config and "num_experts" not in config else
         f"ValueError: --moe-expert-pool-rows={rows}: the pool needs at least top_k=4 rows "
         "per layer" if rows and int(rows) < 4 else
         "ValueError: moe_expert_pool_rows and moe_expert_pool_gb are mutually exclusive"

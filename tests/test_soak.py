@@ -178,18 +178,23 @@ def test_start_up_faults_are_recorded_against_what_the_tree_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     names = ["rows-below-top-k", "rows-and-gb", "rows-above-experts", "dense-model",
-             "host-ram-below-pool"]  # fmt: skip
+             "non-nvfp4-moe", "host-ram-below-pool"]  # fmt: skip
     _runner(tmp_path / "ok").run([], names)
     faults = soak.summarize(tmp_path / "ok")["faults"]
     assert {n: f["check"]["status"] for n, f in faults.items()} == {
         "rows-below-top-k": soak.PASS, "rows-and-gb": soak.PASS,
-        "rows-above-experts": soak.PASS, "dense-model": soak.NOT_MEASURED,
-        "host-ram-below-pool": soak.NOT_MEASURED,
+        "rows-above-experts": soak.PASS, "dense-model": soak.PASS,
+        "non-nvfp4-moe": soak.PASS, "host-ram-below-pool": soak.NOT_MEASURED,
     }  # fmt: skip
     below = faults["rows-below-top-k"]["observed"]
     assert below["outcome"] == "fails" and not below["weights_loaded"]
     assert "needs at least top_k=4 rows per layer" in below["message"]
-    assert "--dense-checkpoint" in faults["dense-model"]["check"]["detail"]
+    # The small models the run writes for itself: a dense one is refused before it loads,
+    # a bf16 MoE starts with its experts on the GPU.
+    dense = faults["dense-model"]["observed"]
+    assert dense["outcome"] == "fails" and not dense["weights_loaded"]
+    assert (tmp_path / "ok/models/dense/config.json").exists()
+    assert faults["non-nvfp4-moe"]["observed"]["outcome"] == "starts"
     assert "MemAvailable" in faults["host-ram-below-pool"]["check"]["detail"]
     # A pool flag refused only after the weights loaded fails the check.
     monkeypatch.setenv("FAKE_VLLM_SOAK", "late-fault")
