@@ -38,12 +38,14 @@ def _harness(session: nox.Session, *args: str) -> None:
 def harness(session: nox.Session) -> None:
     """The harness's own tests (fast, offline) plus ruff (lint and format) and mypy on it."""
     # matplotlib: harness.replay's plots; pip: the device runner installs the
-    # carried wheels with it, as it does on a GPU host.
-    session.install("pytest", "ruff", "mypy", "matplotlib", "pip", "numpy")
+    # carried wheels with it, as it does on a GPU host; pytest-xdist: the tests
+    # run on every CPU nox may use (its affinity: `-n auto` counts the host's cores).
+    session.install("pytest", "pytest-xdist", "ruff", "mypy", "matplotlib", "pip", "numpy")
     session.run("ruff", "check", "harness", "tests", "noxfile.py", "scripts")
     session.run("ruff", "format", "--check", "harness", "tests", "noxfile.py", "scripts")
     session.run("mypy", "harness")
-    session.run("pytest", "-q", "tests", *session.posargs)
+    workers = len(os.sched_getaffinity(0))
+    session.run("pytest", "-q", f"--numprocesses={workers}", "tests", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -6,6 +6,12 @@ revisions its ``.pre-commit-config.yaml`` pins, mypy through its
 headers, test tethering, ``torch.cuda`` calls, config docstrings, forbidden
 imports and boolean context managers. They run in the harness venv, which has
 the built wheel installed, so mypy resolves vLLM's dependencies.
+
+mypy runs twice, on the series and on its base (only the errors the series
+adds count), with one incremental cache in the work area: the base's run
+re-checks only the modules the series changes and those that depend on them,
+and reuses the rest (most of vLLM, torch and the other dependencies it
+follows), which mypy validates against each file's contents.
 """
 
 from __future__ import annotations
@@ -93,19 +99,22 @@ def lint(project: Project) -> list[str]:
             print(f"--- {name} failed ---\n{proc.stdout}{proc.stderr}")
     if python_files:
         progress("lint: mypy (errors the base already has in these files do not count)")
-        if new := new_mypy_errors(tree, base, python_files, python):
+        cache = project.work / "mypy-cache"
+        if new := new_mypy_errors(tree, base, python_files, python, cache):
             failed.append("mypy")
             print("--- mypy failed: errors the series adds ---\n" + "\n".join(new))
     return failed
 
 
-def _run_in(tree: Path, cmd: list[str], bindir: Path) -> subprocess.CompletedProcess[str]:
-    """Run a check in ``tree`` with the venv's tools first on ``PATH``."""
+def _run_in(
+    tree: Path, cmd: list[str], bindir: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run a check in ``tree`` with the venv's tools first on ``PATH`` (and ``env`` set)."""
     path = f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"
     return subprocess.run(
         cmd,
         cwd=tree,
-        env={**os.environ, "PATH": path},
+        env={**os.environ, "PATH": path, **(env or {})},
         capture_output=True,
         text=True,
         check=False,
@@ -115,20 +124,29 @@ def _run_in(tree: Path, cmd: list[str], bindir: Path) -> subprocess.CompletedPro
 _MYPY_ERROR = re.compile(r"^(?P<path>[^:\s]+\.pyi?):\d+: error: (?P<message>.*)$", re.M)
 
 
-def _mypy_errors(tree: Path, files: list[str], python: Path) -> Counter[str]:
-    """vLLM's mypy hook on ``files`` in ``tree``: errors without their line numbers."""
-    proc = _run_in(tree, [str(python), "tools/pre_commit/mypy.py", "3.11", *files], python.parent)
+def _mypy_errors(tree: Path, files: list[str], python: Path, cache: Path) -> Counter[str]:
+    """vLLM's mypy hook on ``files`` in ``tree``, its cache in ``cache``: errors without
+    their line numbers."""
+    proc = _run_in(
+        tree,
+        [str(python), "tools/pre_commit/mypy.py", "3.11", *files],
+        python.parent,
+        {"MYPY_CACHE_DIR": str(cache)},
+    )
     return Counter(f"{m['path']}: {m['message']}" for m in _MYPY_ERROR.finditer(proc.stdout))
 
 
-def new_mypy_errors(tree: Path, base: str, files: list[str], python: Path) -> list[str]:
+def new_mypy_errors(
+    tree: Path, base: str, files: list[str], python: Path, cache: Path
+) -> list[str]:
     """mypy errors in ``files`` that the series introduces.
 
     vLLM's mypy hook checks whole files, and some files vLLM ships already
     have errors under the pinned tool versions; only errors beyond the base's
     (compared without line numbers, which the series shifts) are the series'.
+    Both runs share the incremental cache ``cache``.
     """
-    after = _mypy_errors(tree, files, python)
+    after = _mypy_errors(tree, files, python, cache)
     existing = [
         f
         for f in files
@@ -136,5 +154,5 @@ def new_mypy_errors(tree: Path, base: str, files: list[str], python: Path) -> li
         and git(tree, "cat-file", "-e", f"{base}:{f}", check=False).returncode == 0
     ]
     with scratch_tree(tree, base) as before_tree:
-        before = _mypy_errors(before_tree, existing, python) if existing else Counter()
+        before = _mypy_errors(before_tree, existing, python, cache) if existing else Counter()
     return sorted((after - before).elements())

@@ -8,6 +8,11 @@ with their reasons, apart from passes. On a host without a GPU the CPU tier
 runs with ``VLLM_TARGET_DEVICE=cpu``: the release wheel is a CUDA build, and
 without that setting vLLM cannot infer a device for the config objects the
 CPU tests build ("Failed to infer device type").
+
+Without a GPU the tests run in pytest-xdist workers, one per CPU the harness
+may use (at most :data:`MAX_WORKERS`): the same tests, outcomes and JUnit
+report as in one process, in less time. On a GPU host they run in pytest's own
+process, as vLLM's GPU tests expect the GPU to themselves.
 """
 
 from __future__ import annotations
@@ -108,6 +113,21 @@ def junit_cases(path: Path) -> list[Case]:
 
 _OUTPUT_TAGS = ("system-out", "system-err", "properties")
 
+# The most pytest-xdist workers the CPU tier starts: each imports vLLM and torch
+# anew (about 20 s of CPU and 1.2 GiB), and one test, the Triton interpreter's
+# run of the pool's kernels, takes about two minutes in whichever worker has it.
+MAX_WORKERS = 4
+
+
+def pytest_workers(gpu: str) -> int:
+    """pytest-xdist workers for the series' tests; 0 (pytest's own process) on a GPU host.
+
+    Without a GPU, one per CPU this process may run on (its affinity, which a
+    container limits, unlike ``-n auto``'s count of the host's cores), at most
+    :data:`MAX_WORKERS`.
+    """
+    return 0 if gpu != "none" else min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
 
 def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestReport:
     """``python -m harness test``: pytest over the series' tests, from the patched tree."""
@@ -134,7 +154,8 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
     for test_id, why in deselected:
         progress(f"deselected on vLLM {project.pin.release.version}: {test_id}: {why}")
     junit.unlink(missing_ok=True)  # a report from an earlier run must not stand for this one
-    progress(f"running {len(tests)} test file(s) on GPU: {gpu}")
+    workers = pytest_workers(gpu)
+    progress(f"running {len(tests)} test file(s) on GPU: {gpu}, in {workers or 'no'} worker(s)")
     proc = subprocess.run(
         [
             str(python),
@@ -145,6 +166,7 @@ def run_tests(project: Project, pytest_args: list[str] | None = None) -> TestRep
             "-rs",
             "-q",
             f"--junitxml={junit}",
+            f"--numprocesses={workers}",
             *(f"--deselect={test_id}" for test_id, _ in deselected),
             *tests,
             *(pytest_args or []),

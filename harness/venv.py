@@ -10,8 +10,9 @@ from pathlib import Path
 
 from harness.project import Project, progress, run
 
-# What vLLM's tests/conftest.py imports beyond vLLM's own dependencies.
-TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib"]
+# What vLLM's tests/conftest.py imports beyond vLLM's own dependencies, and
+# pytest-xdist, which runs the CPU tier on every CPU (harness.test).
+TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib", "pytest-xdist"]
 
 # Left alone, the resolver satisfies flashinfer-python's `cuda-python>=12.0`
 # with 12.6, whose files overwrite cuda-bindings 13 that torch and the CUTLASS

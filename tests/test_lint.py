@@ -40,10 +40,10 @@ def test_pinned_tools_read_revisions_frozen_to_commits(tmp_path):
 
 def test_only_mypy_errors_the_series_adds_count(project, commit, monkeypatch):
     commit("[Core] Touch", {"vllm/__init__.py": "VALUE = 2\n", "vllm/new.py": "x = 1\n"})
-    seen: list[tuple[Path, list[str]]] = []
+    seen: list[tuple[Path, list[str], Path]] = []
 
-    def fake(tree: Path, files: list[str], python: Path) -> Counter[str]:
-        seen.append((tree, files))
+    def fake(tree: Path, files: list[str], python: Path, cache: Path) -> Counter[str]:
+        seen.append((tree, files, cache))
         old = Counter({"vllm/__init__.py: error A  [misc]": 1})
         if tree == project.tree:
             return old + Counter({"vllm/__init__.py: error B  [misc]": 1})
@@ -51,10 +51,13 @@ def test_only_mypy_errors_the_series_adds_count(project, commit, monkeypatch):
 
     monkeypatch.setattr(lint, "_mypy_errors", fake)
     files = ["vllm/__init__.py", "vllm/new.py"]
-    new = lint.new_mypy_errors(project.tree, project.pin.base_commit, files, Path("python"))
+    cache = project.work / "mypy-cache"
+    new = lint.new_mypy_errors(project.tree, project.pin.base_commit, files, Path("python"), cache)
     assert new == ["vllm/__init__.py: error B  [misc]"]
     # The base run only checks files that exist there.
     assert seen[1][1] == ["vllm/__init__.py"]
+    # Both runs use one incremental cache: the base's reuses what the series' checked.
+    assert [c for _, _, c in seen] == [cache, cache]
 
 
 def test_mypy_output_is_parsed_without_line_numbers():
