@@ -144,7 +144,10 @@ def _cmd_matrix(project: Project, args: argparse.Namespace) -> int:
 def _cmd_bundle(project: Project, args: argparse.Namespace) -> int:
     if args.wheel_group:
         folder, parts = bundle.build_wheel_parts(
-            project, args.wheel_group, out=args.out, part_bytes=args.part_mib * bundle.MiB
+            project,
+            args.wheel_group,
+            out=args.out,
+            part_bytes=None if args.part_mib is None else args.part_mib * bundle.MiB,
         )
         shown = os.path.relpath(folder, project.root)
         print(f"{folder}: {len(parts['parts'])} parts of {parts['tar_bytes'] / bundle.MiB:.1f} MiB")
@@ -275,7 +278,7 @@ def parser() -> argparse.ArgumentParser:
         _cmd_doc,
         "rewrite the generated blocks of README.md (Which flag), SERIES.md (header, "
         "commits, revision matrix), results/README.md (claims, Which flag) and "
-        "results/e2e/README.md (Which flag)",
+        "results/e2e-v0.34.0/README.md (Which flag)",
     )
     kernels.add_arguments(
         add(
@@ -306,8 +309,7 @@ def parser() -> argparse.ArgumentParser:
     bnd.add_argument(
         "--part-mib",
         type=int,
-        default=bundle.DEFAULT_PART_BYTES // bundle.MiB,
-        help=f"largest part, MiB (default: {bundle.DEFAULT_PART_BYTES // bundle.MiB})",
+        help="largest part, MiB (default: what one call leaves beside the working tree)",
     )
     bnd.add_argument("--rev", default="series", help="tree revision to pack (default: series)")
     bnd.add_argument("--sm", type=int, default=90, help="target GPU architecture (default: 90)")
@@ -455,6 +457,12 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
     )
     e.add_argument("--no-ttft", action="store_true", help="skip the TTFT runs")
     e.add_argument(
+        "--no-online",
+        action="store_true",
+        help="skip the online runs (Poisson arrivals of mixed lengths at the profile's "
+        "online_rates)",
+    )
+    e.add_argument(
         "--no-decode",
         action="store_true",
         help="skip the decode runs (TTFT only; needs --no-spec, since the ngram servers only "
@@ -581,7 +589,8 @@ def _cmd_served(project: Project, args: argparse.Namespace) -> int:
         profile, out, python=python, vllm_command=args.vllm_command, arms=args.arms,
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
         speculative=not args.no_spec, plain=not args.spec_only, concurrency=args.concurrency,
-        ttft=not args.no_ttft, decode=not args.no_decode, dry_run=args.dry_run,
+        ttft=not args.no_ttft, decode=not args.no_decode, online=not args.no_online,
+        dry_run=args.dry_run,
         deadline_s=args.deadline_s, argv=sys.argv[1:],
     )  # fmt: skip
 

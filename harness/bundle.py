@@ -93,9 +93,8 @@ from harness.project import HarnessError, Project, git, progress, sha256_file
 from harness.touched import touched_files, touched_tests
 
 MiB = 1 << 20
-#: A part of a wheel group: a device call carries 64 MiB, the working tree (about
-#: 10 MiB) included.
-DEFAULT_PART_BYTES = 54 * MiB
+#: Room a wheel part leaves in its call beside the working tree (which grows with results/).
+PART_MARGIN_BYTES = MiB
 DEFAULT_MAX_BYTES = 60 * MiB
 DEFAULT_TARGET_SM = 90
 DEFAULT_PYTHON = "3.12"
@@ -898,18 +897,19 @@ def build_wheel_parts(
     out: Path | None = None,
     wheel_list: Path = DEFAULT_WHEEL_LIST,
     python_version: str = DEFAULT_PYTHON,
-    part_bytes: int = DEFAULT_PART_BYTES,
+    part_bytes: int | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Split the wheels of one ``device-wheels.toml`` group into parts for several calls.
 
     Some packages do not fit one device call (FlashInfer and the CUTLASS DSL
     it imports are about 170 MB). This writes ``out`` (default
     ``<repo>/.bundle-wheels/<group>``, ignored by git): the group's wheels as
-    one uncompressed tar cut into ``part-NN`` files of at most ``part_bytes``,
-    and ``parts.json`` with the sha256 of every wheel, of the tar and of each
-    part. Each part travels in its own device call (copied into one folder on
-    a warm host); ``device_run.py --wheel-parts FOLDER`` joins and checks them
-    and installs the wheels beside the bundle's.
+    one uncompressed tar cut into ``part-NN`` files of at most ``part_bytes``
+    (default: what a call has left beside today's working tree, whole MiB, less
+    :data:`PART_MARGIN_BYTES`), and ``parts.json`` with the sha256 of every
+    wheel, of the tar and of each part. Each part travels in its own device
+    call (copied into one folder on a warm host); ``device_run.py --wheel-parts
+    FOLDER`` joins and checks them and installs the wheels beside the bundle's.
 
     Returns:
         The folder and the manifest written to its ``parts.json``.
@@ -920,8 +920,14 @@ def build_wheel_parts(
         raise HarnessError(
             f"{wheel_list} has no wheel group {group!r}; its groups: {', '.join(groups) or 'none'}"
         )
+    if part_bytes is None:
+        room = CALL_BYTES - travelling_tree_bytes(project.root) - PART_MARGIN_BYTES
+        part_bytes = room // MiB * MiB
     if part_bytes < MiB:
-        raise HarnessError(f"a part of {part_bytes} bytes is too small: give at least 1 MiB")
+        raise HarnessError(
+            f"a part of {part_bytes} bytes is too small: give at least 1 MiB (a call "
+            f"carries {CALL_BYTES // MiB} MiB, the working tree included)"
+        )
     out = out or project.root / ".bundle-wheels" / group
     if out.exists() and any(out.iterdir()) and not (out / PARTS_MANIFEST).exists():
         raise HarnessError(f"{out} holds files that are not wheel parts; choose another --out")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from harness import checkpoint_routed, e2e, results
@@ -143,7 +144,7 @@ def render_matrix(project: Project) -> str:
     return "\n".join(lines) + "\n"
 
 
-E2E_SUMMARY = "results/e2e/summary.json"
+E2E_SUMMARY = "results/e2e-v0.34.0/summary.json"
 #: The e2e profile summary.json was measured with (its model, attention backend).
 WHICH_FLAG_PROFILE = "glm-shape-h200"
 
@@ -161,7 +162,7 @@ ROUTERS = ("skewed", "uniform")
 
 
 def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
-    """README's "Which flag" rows from ``results/e2e/summary.json``: per arm, what its
+    """README's "Which flag" rows from :data:`E2E_SUMMARY`: per arm, what its
     server kept on the GPU, TTFT (skewed router) and sampled decode tok/s per request at
     1 and 32 requests (skewed / uniform), each the newest value (:func:`e2e.newest_cells`)."""
     cells = e2e.newest_cells(summary)
@@ -263,7 +264,7 @@ def render_which_flag(project: Project) -> str:
     lines += [
         "",
         f"Conditions: vLLM {each(lambda p: p['base']['version'])}, series {hashes} (the "
-        f"newest run of each cell; `results/e2e/matrix.md` names it); "
+        f"newest run of each cell; `{Path(E2E_SUMMARY).parent}/matrix.md` names it); "
         f"one {each(lambda p: p['gpu'])}, driver {each(lambda p: p['driver'])}, CUDA "
         f"{each(lambda p: p['cuda'])}, torch {each(lambda p: p['torch'])}, {attention} "
         f"attention, {compiled}; synthetic NVFP4 model ({model}; Marlin), {budget} of "
@@ -282,7 +283,7 @@ RENDERERS: dict[str, Callable[[Project], str]] = {
     "which-flag": render_which_flag,
 }
 
-DOCUMENTS = ("SERIES.md", "results/README.md", "README.md", "results/e2e/README.md")
+DOCUMENTS = ("SERIES.md", "results/README.md", "README.md", "results/e2e-v0.34.0/README.md")
 
 #: The pool's user guide: this project's page and its copy in the patched vLLM tree.
 GUIDE = "docs/expert-pool.md"

@@ -14,6 +14,9 @@ measures, per arm and router:
   requests sent at once, ``--ignore-eos`` with a fixed output length, sampled
   at the profile's ``decode_temperature`` (greedy decode of the synthetic
   model repeats a few tokens, so concurrent requests would share experts);
+* online serving (``online_rates``): requests of mixed input and output lengths
+  arriving as a Poisson process at each rate, with TTFT and inter-token latency
+  percentiles and request throughput, against a pool whose mixed steps stage;
 * for the pool arms, the pool's own counters over each run (hit rate,
   promotions, bytes copied per step, distinct experts per layer and step:
   :func:`pool_counters`, from the lines it logs every ``stats_interval_s``);
@@ -95,6 +98,21 @@ POOL_WINDOW = re.compile(
     r"Expert pool: hit rate [\d.]+% \(lowest layer [\d.]+%\), (\d+) hits, (\d+) misses, "
     r"(\d+) promotions, [\d.]+ GiB copied in the last ([\d.]+) s"
 )
+#: The lifetime staging total the same line ends with (prefill staging, 0004).
+POOL_STAGED = re.compile(r"([\d.]+) GiB staged for (\d+) prefill steps")
+
+
+def staged_since(before: str, during: str) -> dict[str, float] | None:
+    """GiB and prefill steps the pool staged during a bench: the lifetime totals its
+    last stats line of ``during`` gives less those of ``before`` (the log up to the
+    bench); None when ``during`` has none."""
+    after = POOL_STAGED.findall(during)
+    if not after:
+        return None
+    start = POOL_STAGED.findall(before)
+    gib0, steps0 = (float(start[-1][0]), int(start[-1][1])) if start else (0.0, 0)
+    gib, steps = float(after[-1][0]) - gib0, int(after[-1][1]) - steps0
+    return {"gib": round(gib, 2), "steps": steps}
 
 
 # --- profiles -------------------------------------------------------------------------------------
@@ -114,8 +132,18 @@ class Measure:
     ttft_only_arms: tuple[str, ...] = ()
     # VLLM_LOG_STATS_INTERVAL for every arm: the pool logs its counters this often.
     stats_interval_s: float = 0.5
-    # Sampling temperature of the decode runs (0: greedy).
+    # Sampling temperature of the decode and online runs (0: greedy).
     decode_temperature: float = 0.0
+    # Online serving: Poisson arrivals at each rate (requests/s) for about
+    # online_duration_s, lengths drawn uniformly from the two [low, high] ranges.
+    online_rates: tuple[float, ...] = ()
+    online_duration_s: float = 120.0
+    online_input_lens: tuple[int, int] = (128, 8192)
+    online_output_lens: tuple[int, int] = (64, 512)
+
+    def online_prompts(self, rate: float) -> int:
+        """The requests of one online run: ``rate`` x ``online_duration_s``, at least 4."""
+        return max(4, round(rate * self.online_duration_s))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +446,17 @@ class Runner:
                     f"decode-{tag}-c{c}.json", meta, run=1, concurrency=c,
                     temperature=m.decode_temperature,
                 )))  # fmt: skip
+        if not speculative and arm.name not in m.ttft_only_arms:
+            input_len, input_ratio = replay.length_range(*m.online_input_lens)
+            output_len, output_ratio = replay.length_range(*m.online_output_lens)
+            for rate in m.online_rates:
+                prompts = m.online_prompts(rate)
+                runs.append(("online", replay.BenchRun(
+                    input_len, output_len, prompts, next(seeds), raw,
+                    f"online-{tag}-r{rate:g}.json", meta, run=1, concurrency=prompts,
+                    temperature=m.decode_temperature, request_rate=rate,
+                    range_ratio=(input_ratio, output_ratio),
+                )))  # fmt: skip
         return runs
 
     def _session(self, router: str, arm: Arm, speculative: bool) -> None:
@@ -481,10 +520,12 @@ class Runner:
                 if kind == "decode":
                     step = max((v for c, v in steps.items() if c <= run.concurrency), default=0)
                     need = step * (run.output_len - 1) / per_step
+                elif kind == "online" and run.request_rate:
+                    need = run.prompts / run.request_rate  # the arrivals alone
                 if not self.fits(run.result_file.removesuffix(".json"), need):
                     continue
                 bench = self._bench(kind, run, router, server, common)
-                if kind != "ttft":
+                if kind in ("decode", "warmup"):
                     steps[run.concurrency if kind == "decode" else 0] = step_bound_s(bench)
 
     def _bench(
@@ -529,6 +570,9 @@ class Runner:
             "output_len": run.output_len,
             "concurrency": run.concurrency,
             "temperature": run.temperature,
+            "prompts": run.prompts,
+            "request_rate": run.request_rate,
+            "range_ratio": list(run.range_ratio) if run.range_ratio else None,
             "bench_seed": run.seed,
             "outcome": "ok" if ok else f"failed ({code})",
             "summary": replay.summarize_bench(bench, run.output_len) if bench else None,
@@ -548,15 +592,19 @@ class Runner:
                 pool_before, replay.scrape_metrics(server.url, POOL_METRICS)
             )
         if common["offload"] == "pool":
-            with server.log.open("rb") as log:
-                log.seek(log_start)
-                text = log.read().decode(errors="replace")
+            whole = server.log.read_bytes()
+            before = whole[:log_start].decode(errors="replace")
+            text = whole[log_start:].decode(errors="replace")
+            tokens = run.output_len * run.prompts
+            if kind == "online":  # lengths drawn per request
+                tokens = int(bench.get("total_output_tokens") or tokens)
             data["pool_counters"] = pool_counters(
                 text,
                 self.spec,
-                run.output_len * run.prompts,
-                steps=None if common["speculative"] else run.output_len,
+                tokens,
+                steps=None if common["speculative"] or kind == "online" else run.output_len,
             )
+            data["pool_staged"] = staged_since(before, text)
         if spec_before is not None:
             after = replay.scrape_spec_decode(server.url)
             if after is not None:
@@ -741,13 +789,39 @@ def acceptance_rate(data: Mapping[str, Any]) -> float | None:
     return None if pct is None else pct / 100
 
 
+def online_row(row: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """One online run's summary row: latency percentiles (TTFT in s, inter-token in ms)
+    and throughput from ``vllm bench serve``'s result, and the pool's hit rate and
+    staging over the run."""
+    bench = data.get("bench") or {}
+
+    def seconds(key: str) -> float | None:
+        return bench[key] / 1000 if key in bench else None
+
+    return {
+        **row,
+        "request_rate": data["request_rate"],
+        "prompts": data.get("prompts"),
+        "completed": bench.get("completed"),
+        "ttft_s_p50": seconds("p50_ttft_ms"),
+        "ttft_s_p99": seconds("p99_ttft_ms"),
+        "itl_ms_p50": bench.get("p50_itl_ms"),
+        "itl_ms_p99": bench.get("p99_itl_ms"),
+        "request_throughput": bench.get("request_throughput"),
+        "output_throughput": bench.get("output_throughput"),
+        "pool_hit_rate": (data.get("pool_counters") or {}).get("hit_rate"),
+        "pool_staged_gib": (data.get("pool_staged") or {}).get("gib"),
+    }
+
+
 def summarize(folder: Path) -> dict[str, Any]:
-    """``summary.json``: decode and TTFT rows, the servers' outcomes, and the provenance.
+    """``summary.json``: decode, TTFT and online rows, the servers' outcomes, and the
+    provenance.
 
     The provenance is the first result's (each file keeps its own); the rows are
     at the top level, for anyone comparing a later series with this one.
     """
-    decode, ttft, servers = [], [], []
+    decode, ttft, online, servers = [], [], [], []
     planned: set[str] = set()
     present = {p.stem for p in folder.glob("*.json")}
     provenance: dict[str, Any] = {}
@@ -796,9 +870,11 @@ def summarize(folder: Path) -> dict[str, Any]:
             ttft.append(
                 {**row, "input_len": data["input_len"], "ttft_s": summary.get("ttft_s_mean")}
             )
+        elif record["kind"] == "e2e-online":
+            online.append(online_row(row, data))
     # Each bench row names the attention backend of the server it measured.
     backends = {(s["arm"], s["router"], s["spec_tokens"]): s["attention_backend"] for s in servers}
-    for bench_row in decode + ttft:
+    for bench_row in decode + ttft + online:
         key = (bench_row["arm"], bench_row["router"], bench_row.get("spec_tokens", 0))
         bench_row["attention_backend"] = backends.get(key, "no server record")
     spec = None
@@ -814,6 +890,7 @@ def summarize(folder: Path) -> dict[str, Any]:
         "kind": "e2e-summary",
         "decode": decode,
         "ttft": ttft,
+        "online": online,
         "servers": servers,
         # Planned by a run and never written: cut by a time limit, or after a failed server.
         "not_measured": sorted(planned - present),
@@ -834,7 +911,7 @@ def summarize_runs(folders: Sequence[Path]) -> dict[str, Any]:
     newest run's; ``runs`` holds each run's.
     """
     out: dict[str, Any] = {"schema": results.SCHEMA, "kind": "e2e-summary"}
-    rows: dict[str, list[dict[str, Any]]] = {"decode": [], "ttft": [], "servers": []}
+    rows: dict[str, list[dict[str, Any]]] = {"decode": [], "ttft": [], "online": [], "servers": []}
     runs, missing, budgets = {}, [], set()
     for folder in folders:
         one = summarize(folder)
@@ -896,9 +973,10 @@ def _newest(
 
 def newest_cells(summary: Mapping[str, Any]) -> dict[str, dict[Any, Mapping[str, Any]]]:
     """The newest row of each cell of a several-run summary: ``servers`` by arm (plain
-    servers), ``ttft`` by (router, arm, input length) and ``decode`` by (router, arm,
-    spec tokens, concurrency). Greedy decode runs (temperature 0) are left out: their
-    repeated tokens make requests share experts (results/e2e/README.md)."""
+    servers), ``ttft`` by (router, arm, input length), ``decode`` by (router, arm,
+    spec tokens, concurrency) and ``online`` by (router, arm, request rate; completed
+    runs). Greedy decode runs (temperature 0) are left out: their repeated tokens make
+    requests share experts (results/e2e/README.md)."""
     runs = summary.get("runs", {})
     return {
         "servers": _newest(
@@ -914,6 +992,11 @@ def newest_cells(summary: Mapping[str, Any]) -> dict[str, dict[Any, Mapping[str,
         "decode": _newest(
             [((r["router"], r["arm"], r["spec_tokens"], r["concurrency"]), r)
              for r in summary["decode"] if r["tok_s"] is not None and r.get("temperature")],
+            runs,
+        ),
+        "online": _newest(
+            [((r["router"], r["arm"], r["request_rate"]), r) for r in summary.get("online", [])
+             if r["outcome"] == "ok"],
             runs,
         ),
     }  # fmt: skip
@@ -974,6 +1057,27 @@ def matrix_markdown(summary: Mapping[str, Any], source: str = "results/e2e") -> 
         for router, arm, spec in pooled
     ]  # fmt: skip
     budget = f"{summary.get('budget_fraction') or 0:.0%}, {summary.get('budget_gib') or 0:.2f}"
+
+    def served(r: Mapping[str, Any]) -> list[str]:
+        staged = r.get("pool_staged_gib")
+        return [
+            f"{_sig3(r['ttft_s_p50'])} / {_sig3(r['ttft_s_p99'])}",
+            f"{_sig3(r['itl_ms_p50'])} / {_sig3(r['itl_ms_p99'])}",
+            f"{r['request_throughput']:.3f}",
+            "-" if staged is None else f"{staged:,.0f}",
+            f"{_run_label(r['run'])}, `{r['series_hash']}`",
+        ]
+
+    online = cells["online"]
+    online_part = [
+        "",
+        "## Online serving: Poisson arrivals, input and output lengths drawn per request",
+        "",
+        *table(["router", "arm", "requests/s", "TTFT p50 / p99, s", "inter-token p50 / p99, ms",
+                "served, requests/s", "GiB staged", "run"],
+               [[router, arm, f"{rate:g}", *served(r)]
+                for (router, arm, rate), r in sorted(online.items())]),
+    ] if online else []  # fmt: skip
     return "\n".join([
         "# The end-to-end matrix: each arm's newest measurement",
         "",
@@ -1001,6 +1105,7 @@ def matrix_markdown(summary: Mapping[str, Any], source: str = "results/e2e") -> 
         "## The pool's counters in those decode runs: hit rate, bytes copied per step",
         "",
         *table(["router", "arm", *(f"c={c}" for c in widths)], pool_rows),
+        *online_part,
     ]) + "\n"  # fmt: skip
 
 
@@ -1125,13 +1230,15 @@ def main(
     concurrency: Sequence[int] = (),
     ttft: bool = True,
     decode: bool = True,
+    online: bool = True,
     dry_run: bool = False,
     deadline_s: float | None = None,
     argv: Sequence[str] = (),
 ) -> int:
     """``python -m harness replay e2e``: see the module docstring. ``concurrency``
     replaces the profile's decode concurrencies, ``ttft=False`` drops its TTFT runs,
-    ``decode=False`` its decode runs, and ``plain=False`` starts only the
+    ``decode=False`` its decode runs, ``online=False`` its online runs, and
+    ``plain=False`` starts only the
     speculative-decoding servers, so that one profile's work can be split over several
     time-limited calls; ``deadline_s``, counted from now, makes the run skip what
     cannot finish in time (:meth:`Runner.fits`) instead of being cut."""
@@ -1140,8 +1247,6 @@ def main(
         raise HarnessError(f"--deadline-s must be a positive number of seconds, not {deadline_s}")
     if not plain and not speculative:
         raise HarnessError("--spec-only and --no-spec leave no server to start; drop one")
-    if not decode and not ttft:
-        raise HarnessError("--no-decode and --no-ttft leave nothing to measure; drop one")
     if not decode and concurrency:
         raise HarnessError("--concurrency sets the decode runs that --no-decode drops; drop one")
     if not decode and speculative:
@@ -1153,13 +1258,19 @@ def main(
     if profile_name not in profiles:
         raise HarnessError(f"unknown e2e profile {profile_name!r}; known: {', '.join(profiles)}")
     profile = profiles[profile_name]
-    if concurrency or not ttft or not decode:
+    if not decode and not ttft and not (online and profile.measure.online_rates):
+        raise HarnessError(
+            "--no-decode and --no-ttft leave nothing to measure (and the profile's online "
+            "runs are off or none); drop one"
+        )
+    if concurrency or not ttft or not decode or not online:
         measure = dataclasses.replace(
             profile.measure,
             decode_concurrency=(tuple(concurrency) or profile.measure.decode_concurrency)
             if decode
             else (),
             ttft_input_lens=profile.measure.ttft_input_lens if ttft else (),
+            online_rates=profile.measure.online_rates if online else (),
         )
         profile = dataclasses.replace(profile, measure=measure)
     arms = list(arms) or list(profile.arms)

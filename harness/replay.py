@@ -245,6 +245,24 @@ class BenchRun:
     run: int = 0  # 1.. for measured runs, 0 for a warm-up
     concurrency: int = 1  # --max-concurrency; the prompts are sent at once
     temperature: float = 0.0  # 0: greedy
+    # Poisson arrivals at this many requests per second (--request-rate, --burstiness 1);
+    # None: every prompt at once
+    request_rate: float | None = None
+    # (input, output) --random-range-ratio: lengths drawn uniformly around input_len and
+    # output_len; None: every request exactly input_len and output_len
+    range_ratio: tuple[float, float] | None = None
+
+
+def length_range(low: int, high: int) -> tuple[int, float]:
+    """``(length, range_ratio)`` for which ``vllm bench serve``'s random dataset draws
+    lengths uniformly from ``[low, high]``: it draws from ``floor(length * (1 - r))`` to
+    ``ceil(length * (1 + r))`` (an odd ``low + high`` loses one length at one end; the
+    input length also loses the tokenizer's special tokens)."""
+    if not 0 < low <= high:
+        raise HarnessError(f"a length range needs 0 < low <= high, not [{low}, {high}]")
+    mid = (low + high) // 2
+    ratio = min(mid - low, high - mid) / mid
+    return mid, max(0.0, ratio - 1e-9)  # a hair inside, so that rounding keeps the ends
 
 
 def serve_argv(vllm: Sequence[str], options: ServerOptions, model: str, port: int) -> list[str]:
@@ -254,6 +272,12 @@ def serve_argv(vllm: Sequence[str], options: ServerOptions, model: str, port: in
 
 def bench_argv(vllm: Sequence[str], model: str, port: int, run: BenchRun) -> list[str]:
     """The full ``vllm bench serve`` command of one run (``run.concurrency`` requests at a time)."""
+    ratio = "0"
+    if run.range_ratio is not None:
+        ratio = json.dumps({"input": run.range_ratio[0], "output": run.range_ratio[1]})
+    arrivals = ["inf"]
+    if run.request_rate is not None:
+        arrivals = [f"{run.request_rate:g}", "--burstiness", "1"]
     argv = [
         *vllm, "bench", "serve",
         "--backend", "openai",
@@ -264,11 +288,11 @@ def bench_argv(vllm: Sequence[str], model: str, port: int, run: BenchRun) -> lis
         "--dataset-name", "random",
         "--random-input-len", str(run.input_len),
         "--random-output-len", str(run.output_len),
-        "--random-range-ratio", "0",
+        "--random-range-ratio", ratio,
         "--random-prefix-len", "0",
         "--num-prompts", str(run.prompts),
         "--max-concurrency", str(run.concurrency),
-        "--request-rate", "inf",
+        "--request-rate", *arrivals,
         "--ignore-eos",
         "--temperature", f"{run.temperature:g}",
         "--num-warmups", "0",

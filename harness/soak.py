@@ -68,6 +68,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import threading
@@ -464,7 +465,9 @@ class Fault:
     # "": the profile's checkpoint; else a key of FAULT_MODELS, a small model the run
     # writes itself, whose spec the flags and the message are made from
     model: str = ""
-    not_reproducible: str = ""  # why it is not run here ("" : it is)
+    # The bytes of a memory cgroup (cgroup v2 memory.max) the server runs in, as in a
+    # container with that memory limit; None: no cgroup
+    cgroup_memory: Callable[[checkpoint.Spec], int] | None = None
 
 
 #: The small models of the faults that need a model the pool must not take.
@@ -522,14 +525,10 @@ FAULTS: dict[str, Fault] = {
     ),
     "non-nvfp4-moe": Fault(
         "--moe-expert-pool-rows on a bf16 MoE model (no quantization)",
-        STARTS,
-        "expert_pool/install.py: maybe_install_expert_pool warns once and leaves layers of "
-        "other quantization methods with every expert on the GPU",
+        FAILS,
+        "config/offload.py: OffloadConfig.verify_moe_expert_pool, as the config is validated",
         lambda s: _rows(s.top_k),
-        lambda s: (
-            r"not ModelOpt NVFP4 on Marlin; they keep all their experts on the GPU "
-            r"\(no layer is pooled\)"
-        ),
+        lambda s: r"is not quantized, and the expert pool holds NVFP4 experts",
         model="bf16-moe",
     ),
     "pin-memory-disabled": Fault(
@@ -541,23 +540,47 @@ FAULTS: dict[str, Fault] = {
         env={"VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY": "1"},
     ),
     "host-ram-below-pool": Fault(
-        "less available host RAM than the pool pins",
+        "a container memory limit (cgroup v2 memory.max) of half the bytes the pool pins",
         FAILS,
-        "expert_pool/install.py: check_host_memory, before a layer's experts are pinned",
+        "expert_pool/install.py: check_host_memory (vLLM's get_available_memory, which "
+        "honours the cgroup's limit), before a layer's experts are pinned",
         lambda s: _rows(s.top_k),
-        lambda s: r"of pinned host memory .* but the host has",
-        not_reproducible=(
-            "check_host_memory compares the pinned bytes still to come with "
-            "psutil.virtual_memory().available, which psutil reads from /proc/meminfo "
-            "(MemAvailable): a cgroup memory limit does not change it and no environment "
-            "variable or flag overrides it. Only taking the host's memory away (a process "
-            "holding all but less than the pool's pinned bytes) would drive it, which this "
-            "harness does not do on a shared GPU host. The tree's "
-            "tests/kernels/expert_pool/test_pool_sizing.py::"
-            "test_host_memory_short_names_both_numbers checks the message."
-        ),
+        lambda s: r"of pinned host memory .* GiB of host memory are available",
+        cgroup_memory=lambda s: checkpoint_routed.expert_bytes(s) // 2,
     ),
 }
+
+#: Where a fault's memory cgroup is made (the cgroup v2 hierarchy of the host).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+#: ``sh -c CGROUP_WRAPPER sh FOLDER ARGV...`` runs ARGV in the cgroup FOLDER, in new cgroup
+#: and mount namespaces whose /sys/fs/cgroup is that cgroup: what a container sees of its
+#: own, where vLLM reads its memory limit (/sys/fs/cgroup/memory.max).
+CGROUP_WRAPPER = (
+    'echo $$ > "$1/cgroup.procs" && shift && exec unshare --cgroup --mount sh -c '
+    '\'mount -t cgroup2 cgroup2 /sys/fs/cgroup && exec "$@"\' sh "$@"'
+)
+
+
+def memory_cgroup(name: str, limit: int, root: Path = CGROUP_ROOT) -> Path:
+    """Make (or reuse) the child cgroup ``root/harness-soak-NAME`` with ``memory.max`` =
+    ``limit`` bytes; :class:`HarnessError` says why it cannot be made on this host."""
+    controllers = root / "cgroup.subtree_control"
+    try:
+        enabled = controllers.read_text().split()
+    except OSError as exc:
+        raise HarnessError(f"no cgroup v2 hierarchy at {root} ({exc})") from exc
+    if "memory" not in enabled:
+        raise HarnessError(f"the memory controller is not enabled in {controllers}")
+    if shutil.which("unshare") is None:
+        raise HarnessError("no unshare command (util-linux) to give the server its own view")
+    folder = root / f"harness-soak-{name}"
+    try:
+        folder.mkdir(exist_ok=True)
+        (folder / "memory.max").write_text(f"{limit}\n")
+    except OSError as exc:
+        raise HarnessError(f"cannot make the memory cgroup {folder}: {exc}") from exc
+    return folder
 
 
 # --- the runner -----------------------------------------------------------------------------------
@@ -585,6 +608,7 @@ class Runner:
     health_poll_s: float = 1.0
     stop_timeout_s: float = e2e.STOP_TIMEOUT_S
     written: list[Path] = dataclasses.field(default_factory=list)
+    make_cgroup: Callable[[str, int], Path] = memory_cgroup
 
     def run(self, arms: Sequence[str], faults: Sequence[str] = ()) -> list[Path]:
         """Each arm, then each fault; one whose complete result exists is skipped."""
@@ -603,8 +627,6 @@ class Runner:
             need = self._startup_need() if fault.expect == STARTS else self.profile.fault_floor_s
             if self._complete(f"fault-{name}"):
                 progress(f"fault-{name}.json is complete in {self.out}; not run again")
-            elif fault.not_reproducible:
-                self._fault_not_run(name, fault)
             elif self._fits(f"fault {name}", need):
                 self._fault(name, fault)
         return self.written
@@ -656,10 +678,18 @@ class Runner:
         return dataclasses.replace(base, extra_args=(*base.extra_args, *flags))
 
     def _server(
-        self, tag: str, options: replay.ServerOptions, model: str, env: Mapping[str, str]
+        self,
+        tag: str,
+        options: replay.ServerOptions,
+        model: str,
+        env: Mapping[str, str],
+        cgroup: Path | None = None,
     ) -> replay.Server:
+        """A server of ``options``; in the memory cgroup folder ``cgroup`` if given."""
         port = 8000 if self.dry_run else replay.free_port()
         argv = replay.serve_argv(self.vllm, options, model, port)
+        if cgroup is not None:
+            argv = ["sh", "-c", CGROUP_WRAPPER, "sh", str(cgroup), *argv]
         log = self.out / "logs" / f"{tag}.server.log"
         return replay.Server(argv, port, log, {**self.env, **env}, self.stop_timeout_s)
 
@@ -690,11 +720,13 @@ class Runner:
             fault = FAULTS[name]
             echo(f"## fault {name}: {fault.what}; expected: {fault.expect}, the log matching "
                  f"/{fault.message(self._fault_spec(fault))}/ ({fault.source})")  # fmt: skip
-            if fault.not_reproducible:
-                echo(f"# not reproducible here: {fault.not_reproducible}")
-                continue
             model = self._fault_model(fault)
-            argv = self._server(name, self._fault_options(fault), model, {}).argv
+            cgroup = None
+            if fault.cgroup_memory is not None:
+                cgroup = CGROUP_ROOT / f"harness-soak-{name}"
+                echo(f"# in the memory cgroup {cgroup}, memory.max = "
+                     f"{fault.cgroup_memory(self._fault_spec(fault))} bytes")  # fmt: skip
+            argv = self._server(name, self._fault_options(fault), model, {}, cgroup).argv
             echo(shlex.join([*(f"{k}={v}" for k, v in fault.env.items()), *argv]))
 
     def _print_arm_plan(self) -> None:
@@ -905,20 +937,29 @@ class Runner:
             "expected": {"outcome": fault.expect, "message": fault.message(spec)},
             "env": dict(fault.env),
             "model": dataclasses.asdict(spec) if fault.model else None,
+            "cgroup_memory_max": fault.cgroup_memory(spec) if fault.cgroup_memory else None,
         }  # fmt: skip
-
-    def _fault_not_run(self, name: str, fault: Fault) -> None:
-        data = self._fault_record(name, fault)
-        data["observed"] = {"outcome": "not run", "reason": fault.not_reproducible}
-        self._record(f"fault-{name}", "soak-fault", data)
 
     def _fault(self, name: str, fault: Fault) -> None:
         model = self._fault_model(fault)
-        server = self._server(f"fault-{name}", self._fault_options(fault), model, fault.env)
+        cgroup = None
+        if fault.cgroup_memory is not None:
+            try:
+                cgroup = self.make_cgroup(name, fault.cgroup_memory(self._fault_spec(fault)))
+            except HarnessError as exc:
+                data = self._fault_record(name, fault)
+                data["observed"] = {"outcome": "not run", "reason": f"on this host: {exc}"}
+                self._record(f"fault-{name}", "soak-fault", data)
+                return
+        options = self._fault_options(fault)
+        server = self._server(f"fault-{name}", options, model, fault.env, cgroup)
         started = self.clock()
         with server:
             state = server.wait_healthy(self.profile.e2e.startup_timeout_s, self.health_poll_s)
             seconds = round(self.clock() - started, 1)
+        if cgroup is not None:
+            with contextlib.suppress(OSError):  # a process left in it keeps it
+                cgroup.rmdir()
         text = server.log.read_text(errors="replace") if server.log.exists() else ""
         if state == "ok":
             self.startups.append(seconds)

@@ -962,6 +962,26 @@ def test_a_wheel_group_travels_in_parts_and_joins_byte_for_byte(
         bundle.build_wheel_parts(project, "nope", out=out, wheel_list=listing)
 
 
+def test_wheel_parts_are_cut_to_what_a_call_leaves_beside_the_tree(
+    project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = project.cache / "wheels" / "cp312-manylinux-x86_64"
+    _wheel_with_payload(cache, "big_a", 1_500_000, 1)
+    _wheel_with_payload(cache, "big_b", 700_000, 2)
+    listing = tmp_path / "wheels.toml"
+    listing.write_text(GROUP_LIST)
+    # A tree of 61.5 MiB leaves 2.5 MiB of a 64 MiB call; less the 1 MiB margin, whole
+    # MiB: parts of 1 MiB.
+    monkeypatch.setattr(bundle, "travelling_tree_bytes", lambda root: 61 * bundle.MiB + 512 * 1024)
+    _, manifest = bundle.build_wheel_parts(project, "fi", out=tmp_path / "p", wheel_list=listing)
+    assert [p["bytes"] <= bundle.MiB for p in manifest["parts"]] == [True] * 3
+    assert manifest["parts"][0]["bytes"] == bundle.MiB
+    # A tree that leaves no room for a part is refused with the call's size.
+    monkeypatch.setattr(bundle, "travelling_tree_bytes", lambda root: 63 * bundle.MiB)
+    with pytest.raises(HarnessError, match=r"too small: .* \(a call carries 64 MiB"):
+        bundle.build_wheel_parts(project, "fi", out=tmp_path / "q", wheel_list=listing)
+
+
 def test_pth_paths_reports_what_the_pth_files_of_a_target_folder_add(tmp_path: Path) -> None:
     site = tmp_path / "site"
     (site / "extra_dir").mkdir(parents=True)

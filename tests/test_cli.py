@@ -150,7 +150,7 @@ def test_every_subcommand_argument_has_help():
         ("| `python -m harness hash` |", "| `python -m harness hashes` |"),
         ("`python -m harness build [--full]", "`python -m harness build [--fast]"),
         ("ttft\\|decode\\|oom\\|plot\\|e2e", "ttft\\|decode\\|oom"),
-        ("results/e2e/README.md (Which flag)", "results/e2e (Which flag)"),
+        ("results/e2e-v0.34.0/README.md (Which flag)", "results/e2e-v0.34.0 (Which flag)"),
         ("`upstream`; `blocked`: a prerequisite fails;", "`upstream`;"),
         ("MXFP4, MXFP8)", "MXFP4)"),
     ],

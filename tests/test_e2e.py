@@ -7,8 +7,11 @@ tests skip, with that reason, where it is missing.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -291,14 +294,64 @@ def test_spec_only_starts_only_the_speculative_servers(
         e2e.main("glm-shape-h200", tmp_path, python=Path("py"), speculative=False, plain=False)
 
 
+def _dry_run_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], **options: Any) -> list[str]:
+    """What a dry run of the profile's pool and pool-host-view arms (skewed router, no
+    ngram servers) prints, with ``options`` for :func:`e2e.main`."""
+    assert e2e.main(
+        "glm-shape-h200", tmp_path, python=Path("py"), arms=["pool", "pool-host-view"],
+        routers=["skewed"], speculative=False, dry_run=True, **options,
+    ) == 0  # fmt: skip
+    return capsys.readouterr().out.splitlines()
+
+
+def test_online_runs_arrive_as_poisson_with_lengths_drawn_from_the_ranges(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The online runs alone: a pool server, the warm-up, then one run per rate.
+    lines = _dry_run_lines(tmp_path, capsys, decode=False, ttft=False)
+    # pool-host-view only measures TTFT: its server has nothing left to run but the warm-up.
+    benches = [line for line in lines if "bench serve" in line and "online-" in line]
+    measure = e2e.load_profiles()["glm-shape-h200"].measure
+    assert len(benches) == len(measure.online_rates) > 0
+    for rate, bench in zip(measure.online_rates, benches, strict=True):
+        argv = shlex.split(bench)
+        value = dict(itertools.pairwise(argv))
+        assert value["--request-rate"] == f"{rate:g}" and value["--burstiness"] == "1"
+        prompts = measure.online_prompts(rate)
+        assert value["--num-prompts"] == value["--max-concurrency"] == str(prompts)
+        ratio = json.loads(value["--random-range-ratio"])
+        # vLLM's random dataset draws floor(len * (1 - r)) .. ceil(len * (1 + r)).
+        for key, (low, high) in (("input", measure.online_input_lens),
+                                 ("output", measure.online_output_lens)):  # fmt: skip
+            length = int(value[f"--random-{key}-len"])
+            assert math.floor(length * (1 - ratio[key])) == low
+            assert math.ceil(length * (1 + ratio[key])) == high
+    assert measure.online_prompts(0.01) == 4  # a few requests even at a low rate
+
+
+def test_online_rows_summarize_latency_throughput_and_staging() -> None:
+    data = {
+        "request_rate": 0.3, "prompts": 36,
+        "bench": {"completed": 36, "p50_ttft_ms": 1500.0, "p99_ttft_ms": 4200.0,
+                  "p50_itl_ms": 95.0, "p99_itl_ms": 560.0, "request_throughput": 0.29,
+                  "output_throughput": 83.5},
+        "pool_counters": {"hit_rate": 0.61}, "pool_staged": {"gib": 850.0, "steps": 32},
+    }  # fmt: skip
+    row = e2e.online_row({"arm": "pool", "router": "skewed", "outcome": "ok"}, data)
+    assert row["ttft_s_p50"] == 1.5 and row["ttft_s_p99"] == 4.2
+    assert row["itl_ms_p99"] == 560.0 and row["request_throughput"] == 0.29
+    assert row["pool_hit_rate"] == 0.61 and row["pool_staged_gib"] == 850.0
+    before = "x 100.00 GiB staged for 4 prefill steps.\n"
+    during = "y 600.00 GiB staged for 20 prefill steps.\nz 950.50 GiB staged for 36 prefill steps."
+    assert e2e.staged_since(before, during) == {"gib": 850.5, "steps": 32}
+    assert e2e.staged_since("", during) == {"gib": 950.5, "steps": 36}
+    assert e2e.staged_since(before, "no stats line") is None
+
+
 def test_no_decode_keeps_only_the_warm_up_and_ttft_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert e2e.main(
-        "glm-shape-h200", tmp_path, python=Path("py"), arms=["pool", "pool-host-view"],
-        routers=["skewed"], speculative=False, decode=False, dry_run=True,
-    ) == 0  # fmt: skip
-    lines = capsys.readouterr().out.splitlines()
+    lines = _dry_run_lines(tmp_path, capsys, decode=False, online=False)
     assert len([line for line in lines if line.startswith("vllm serve ")]) == 2
     benches = [line for line in lines if "bench serve" in line]
     assert len(benches) == 2 * 3  # per server: the warm-up and the two TTFT lengths
@@ -308,7 +361,7 @@ def test_no_decode_keeps_only_the_warm_up_and_ttft_runs(
     with pytest.raises(e2e.HarnessError, match="leave nothing to measure"):
         e2e.main(
             "glm-shape-h200", tmp_path, python=Path("py"), speculative=False, decode=False,
-            ttft=False,
+            ttft=False, online=False,
         )  # fmt: skip
     with pytest.raises(e2e.HarnessError, match="--concurrency sets the decode runs"):
         e2e.main(
@@ -469,6 +522,33 @@ def _with_measure(runner: e2e.Runner, **changes: Any) -> e2e.Runner:
     measure = dataclasses.replace(runner.profile.measure, **changes)
     runner.profile = dataclasses.replace(runner.profile, measure=measure)
     return runner
+
+
+@pytest.mark.usefixtures("fake")
+def test_online_runs_are_recorded_summarized_and_tabled(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    runner = _with_measure(
+        _tiny_runner(out, arms=("pool",)),
+        online_rates=(0.5, 2.0),
+        online_duration_s=4,
+        ttft_input_lens=(),
+        decode_concurrency=(),
+    )
+    written = {p.name for p in runner.run()}
+    assert {"online-skewed-pool-r0.5.json", "online-skewed-pool-r2.json"} <= written
+    record = json.loads((out / "online-skewed-pool-r2.json").read_text())
+    assert record["kind"] == "e2e-online" and record["data"]["outcome"] == "ok"
+    assert record["data"]["prompts"] == 8 and record["data"]["request_rate"] == 2.0
+    summary = e2e.summarize(out)
+    for key in ("servers", "decode", "ttft", "online"):
+        for row in summary[key]:
+            row.update(run="2026-12-03-run1-tiny", series_hash="abc")
+    rows = {r["request_rate"]: r for r in summary["online"]}
+    assert rows[2.0]["itl_ms_p99"] == 30.0 and rows[2.0]["request_throughput"] == 2.0
+    assert rows[0.5]["attention_backend"] != "no server record"
+    table = e2e.matrix_markdown(summary)
+    assert "## Online serving: Poisson arrivals" in table
+    assert "| skewed | pool | 2 |" in table
 
 
 @pytest.mark.usefixtures("fake")

@@ -14,6 +14,8 @@ from test_replay import FakeNvml, _Obj, fake  # noqa: F401 (fake: the fake `vllm
 
 from harness import e2e, results, soak
 from harness.checkpoint import Spec
+from harness.checkpoint_routed import expert_bytes
+from harness.project import HarnessError
 
 # The fake serves top_k 4 of 16 experts and a vocabulary of 512 ids.
 SPEC = Spec(layers=2, experts=16, top_k=4, hidden_size=256, moe_intermediate_size=256)
@@ -179,7 +181,11 @@ def test_start_up_faults_are_recorded_against_what_the_tree_does(
 ) -> None:
     names = ["rows-below-top-k", "rows-and-gb", "rows-above-experts", "dense-model",
              "non-nvfp4-moe", "host-ram-below-pool"]  # fmt: skip
-    _runner(tmp_path / "ok").run([], names)
+
+    def no_cgroup(name: str, limit: int) -> Path:
+        raise HarnessError("no cgroup v2 hierarchy at /sys/fs/cgroup")
+
+    _runner(tmp_path / "ok", make_cgroup=no_cgroup).run([], names)
     faults = soak.summarize(tmp_path / "ok")["faults"]
     assert {n: f["check"]["status"] for n, f in faults.items()} == {
         "rows-below-top-k": soak.PASS, "rows-and-gb": soak.PASS,
@@ -189,18 +195,71 @@ def test_start_up_faults_are_recorded_against_what_the_tree_does(
     below = faults["rows-below-top-k"]["observed"]
     assert below["outcome"] == "fails" and not below["weights_loaded"]
     assert "needs at least top_k=4 rows per layer" in below["message"]
-    # The small models the run writes for itself: a dense one is refused before it loads,
-    # a bf16 MoE starts with its experts on the GPU.
-    dense = faults["dense-model"]["observed"]
-    assert dense["outcome"] == "fails" and not dense["weights_loaded"]
+    # The small models the run writes for itself, a dense one and an unquantized MoE, are
+    # refused before they load.
+    for name in ("dense-model", "non-nvfp4-moe"):
+        seen = faults[name]["observed"]
+        assert seen["outcome"] == "fails" and not seen["weights_loaded"], name
     assert (tmp_path / "ok/models/dense/config.json").exists()
-    assert faults["non-nvfp4-moe"]["observed"]["outcome"] == "starts"
-    assert "MemAvailable" in faults["host-ram-below-pool"]["check"]["detail"]
+    assert (tmp_path / "ok/models/bf16-moe/config.json").exists()
+    # A host where no memory cgroup can be made says why the limit was not tried.
+    host = faults["host-ram-below-pool"]
+    assert host["observed"]["outcome"] == "not run"
+    assert host["check"]["detail"] == "on this host: no cgroup v2 hierarchy at /sys/fs/cgroup"
     # A pool flag refused only after the weights loaded fails the check.
     monkeypatch.setenv("FAKE_VLLM_SOAK", "late-fault")
     _runner(tmp_path / "late").run([], ["rows-below-top-k"])
     late = soak.summarize(tmp_path / "late")["faults"]["rows-below-top-k"]
     assert late["check"]["status"] == soak.FAIL and late["observed"]["weights_loaded"]
+
+
+@pytest.mark.usefixtures("fake")
+def test_a_memory_limit_fault_runs_the_server_in_its_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fake `unshare` and `mount`: the wrapper's quoting and the cgroup.procs write are
+    # real, the namespaces are not made.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "unshare").write_text('#!/bin/sh\nshift 2\nFAKE_CGROUP=1 exec "$@"\n')
+    (bin_dir / "mount").write_text("#!/bin/sh\nexit 0\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    made: dict[str, int] = {}
+
+    def cgroup(name: str, limit: int) -> Path:
+        made[name] = limit
+        folder = tmp_path / "cgroup"
+        folder.mkdir()
+        return folder
+
+    _runner(tmp_path / "out", make_cgroup=cgroup).run([], ["host-ram-below-pool"])
+    fault = soak.summarize(tmp_path / "out")["faults"]["host-ram-below-pool"]
+    assert fault["check"]["status"] == soak.PASS, fault["check"]
+    assert made == {"host-ram-below-pool": expert_bytes(SPEC) // 2}
+    record = json.loads((tmp_path / "out/fault-host-ram-below-pool.json").read_text())
+    assert record["data"]["cgroup_memory_max"] == expert_bytes(SPEC) // 2
+    # The server's shell joined the cgroup before it became the server.
+    assert (tmp_path / "cgroup/cgroup.procs").read_text().strip().isdigit()
+
+
+def test_memory_cgroup_needs_the_memory_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(soak.shutil, "which", lambda name: f"/usr/bin/{name}")
+    with pytest.raises(HarnessError, match="no cgroup v2 hierarchy"):
+        soak.memory_cgroup("f", 1 << 30, root=tmp_path)
+    (tmp_path / "cgroup.subtree_control").write_text("cpu io\n")
+    with pytest.raises(HarnessError, match="memory controller is not enabled"):
+        soak.memory_cgroup("f", 1 << 30, root=tmp_path)
+    (tmp_path / "cgroup.subtree_control").write_text("cpu io memory\n")
+    folder = soak.memory_cgroup("f", 1 << 30, root=tmp_path)
+    assert folder == tmp_path / "harness-soak-f"
+    assert (folder / "memory.max").read_text() == f"{1 << 30}\n"
+    monkeypatch.setattr(soak.shutil, "which", lambda name: None)
+    with pytest.raises(HarnessError, match="no unshare"):
+        soak.memory_cgroup("f", 1 << 30, root=tmp_path)
 
 
 @pytest.mark.usefixtures("fake")
@@ -253,7 +312,9 @@ def test_the_dry_run_prints_servers_churn_bad_requests_shutdown_and_faults(
     assert "# churn" not in out
     assert "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY=1 " in out
     assert "--moe-expert-pool-rows 7 " in out and "--moe-expert-pool-gb 37 " in out
-    assert "# not reproducible here: check_host_memory" in out
+    # The memory-limit fault's server runs in its cgroup, through the wrapper.
+    assert "# in the memory cgroup /sys/fs/cgroup/harness-soak-host-ram-below-pool" in out
+    assert 'sh -c \'echo $$ > "$1/cgroup.procs"' in out
     assert not list(tmp_path.iterdir())
     assert main(["replay", "soak", "--dry-run", "--faults", "nope", "--out", str(tmp_path)]) == 2
     with pytest.raises(soak.HarnessError, match="drop --arms"):
