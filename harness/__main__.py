@@ -269,8 +269,9 @@ def parser() -> argparse.ArgumentParser:
     add(
         "check",
         _cmd_check,
-        "apply + export reproduces patches/ byte for byte, each commit applies alone on "
-        "its stated base, result files are well-formed, generated blocks are current, and "
+        "apply + export reproduces patches/ byte for byte, every patch is authored and "
+        "signed off by the pinned identity, each commit applies alone on its stated base, "
+        "result files are well-formed, generated blocks are current, and "
         "docs/expert-pool.md matches the tree's docs/features/moe_expert_pool.md",
     )
     add(

@@ -2,6 +2,7 @@
 
 * the round trip: the series applied in a clone of the bare base and
   exported again reproduces ``patches/`` byte for byte;
+* every patch is authored and signed off by the pinned identity;
 * every commit applies alone, with plain ``git am --keep-non-patch`` (no
   3-way merge), on the base its note names, in a clone that holds only the
   base's objects: what a fork that cherry-picks the commit has;
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -108,11 +110,31 @@ def stale_record(project: Project) -> list[str]:
     return problems
 
 
+def check_authorship(project: Project) -> list[str]:
+    """Every patch of the selected series is authored by the pinned identity and signed
+    off by it (vLLM's DCO; a submitter's own sign-off is added by ``export --out``)."""
+    identity = project.pin.identity
+    author = f"{identity.name} <{identity.email}>"
+    problems = []
+    for patch in series_files(project):
+        text = patch.read_text(errors="replace")
+        header = text.split("\n\n", 1)[0].replace("\n ", " ")  # unfold wrapped fields
+        found = re.search(r"^From: (.*)$", header, re.M)
+        if found is None or " ".join(found.group(1).split()) != author:
+            got = found.group(1) if found else "none"
+            problems.append(f"{patch.name}: author {got!r}, not the pinned {author!r}")
+        message = text.split("\n---\n", 1)[0]
+        if identity.signoff not in message.splitlines():
+            problems.append(f"{patch.name}: no {identity.signoff!r} line")
+    return problems
+
+
 def check_series(project: Project) -> list[str]:
-    """Round trip and standalone commits of the selected release's series, on its base."""
+    """Round trip, authorship and standalone commits of the selected release's series."""
     tree, base = prepare(project)
     with base_store([(tree, project.pin.release.tag)]) as store, fresh_clone(store, base) as clone:
         problems = check_round_trip(project, clone, base)
+        problems += check_authorship(project)
         problems += check_standalone(project, clone, base)
     if project.vllm is None:
         return problems

@@ -218,7 +218,15 @@ def which_flag_hashes(summary: dict[str, Any]) -> list[str]:
 
 
 #: vLLM's attention backend names as the conditions line says them.
-_ATTENTION = {"TRITON_ATTN": "Triton", "FLASH_ATTN": "FlashAttention"}
+_ATTENTION = {"TRITON_ATTN": "Triton attention", "FLASH_ATTN": "FlashAttention"}
+
+
+def attention_name(backend: str) -> str:
+    """How the conditions line names a recorded backend (``FLASH_ATTN (FA3)``:
+    FlashAttention 3)."""
+    name = _ATTENTION.get(backend.split(" ")[0], backend)
+    version = re.search(r"\(FA(\d)\)", backend)
+    return f"{name} {version.group(1)}" if version else name
 
 
 def render_which_flag(project: Project) -> str:
@@ -241,9 +249,7 @@ def render_which_flag(project: Project) -> str:
     shown = {r["run"] for r in _shown_rows(summary)}
     backends = [s.get("attention_backend", "not recorded") for s in summary["servers"]
                 if s["run"] in shown]  # fmt: skip
-    attention = " and ".join(
-        dict.fromkeys(_ATTENTION.get(b.split(" ")[0], b) for b in sorted(backends))
-    )
+    attention = " and ".join(dict.fromkeys(attention_name(b) for b in sorted(backends)))
     spec = profile.checkpoint_spec()
     total = checkpoint_routed.expert_bytes(spec)
     model = (
@@ -266,8 +272,8 @@ def render_which_flag(project: Project) -> str:
         f"Conditions: vLLM {each(lambda p: p['base']['version'])}, series {hashes} (the "
         f"newest run of each cell; `{Path(E2E_SUMMARY).parent}/matrix.md` names it); "
         f"one {each(lambda p: p['gpu'])}, driver {each(lambda p: p['driver'])}, CUDA "
-        f"{each(lambda p: p['cuda'])}, torch {each(lambda p: p['torch'])}, {attention} "
-        f"attention, {compiled}; synthetic NVFP4 model ({model}; Marlin), {budget} of "
+        f"{each(lambda p: p['cuda'])}, torch {each(lambda p: p['torch'])}, {attention}, "
+        f"{compiled}; synthetic NVFP4 model ({model}; Marlin), {budget} of "
         f"the expert bytes allowed on the GPU; "
         f"TTFT with the skewed router; sampled decode; "
         f"`python -m harness replay e2e --profile {WHICH_FLAG_PROFILE}`.",

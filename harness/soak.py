@@ -41,9 +41,10 @@ each arm's server. Per arm (``pool`` and ``resident`` by default):
 pool configuration (:data:`FAULTS`) and the record says whether it failed, how
 long it took, whether it failed before weight loading (the log has no
 :data:`WEIGHTS_LOADED` line), and its message, against what the tree says it
-should do. The host-RAM check of the pool (``check_host_memory``) compares with
-``psutil.virtual_memory().available``, which no cgroup limit or variable changes:
-that fault is recorded as not reproducible, with the reason.
+should do. The host-RAM check of the pool (``check_host_memory``) reads vLLM's
+``get_available_memory()``, which honours a cgroup's memory limit: that fault's
+server runs in a memory cgroup of its own (:func:`memory_cgroup`, joined through
+:data:`CGROUP_WRAPPER`), and where none can be made the record says why.
 
 **Goal checks** (:func:`arm_checks`, :func:`fault_check`) are computed from the
 result files, so that ``--summarize DIR`` recomputes them: each is ``pass``,

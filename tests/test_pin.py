@@ -158,6 +158,26 @@ def test_the_matrix_record_must_match_the_committed_series(project: Project, com
     assert "records no series" in checks.stale_record(project)[0]
 
 
+def test_every_patch_is_authored_and_signed_off_by_the_pinned_identity(
+    project: Project, commit
+) -> None:
+    commit("[Bugfix] One change", {"a.txt": "a\n"})
+    series.export(project)
+    assert checks.check_authorship(project) == []
+    (patch,) = checks.series_files(project)
+    identity = project.pin.identity
+    text = patch.read_text()
+    patch.write_text(
+        text.replace(f"From: {identity.name}", "From: Someone Else", 1).replace(
+            identity.signoff + "\n", ""
+        )
+    )
+    problems = checks.check_authorship(project)
+    assert len(problems) == 2
+    assert "author 'Someone Else <" in problems[0] and "not the pinned" in problems[0]
+    assert "no 'Signed-off-by: " in problems[1]
+
+
 def test_the_real_matrix_record_is_the_committed_series() -> None:
     assert checks.stale_record(Project.discover()) == []
 

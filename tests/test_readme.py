@@ -181,3 +181,10 @@ def test_the_guide_is_a_vllm_page_above_its_project_only_part():
              "Limitations"]  # fmt: skip
     assert [h for h in headings if h in order] == order
     assert "vllm serve" in page and "LLM(" in page
+
+
+def test_the_conditions_line_names_the_attention_backend_as_users_know_it():
+    assert document.attention_name("FLASH_ATTN (FA3)") == "FlashAttention 3"
+    assert document.attention_name("FLASH_ATTN") == "FlashAttention"
+    assert document.attention_name("TRITON_ATTN") == "Triton attention"
+    assert document.attention_name("FLASHINFER") == "FLASHINFER"  # unknown: as recorded
