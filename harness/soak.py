@@ -563,9 +563,14 @@ CGROUP_WRAPPER = (
 )
 
 
+def cgroup_folder(name: str, root: Path = CGROUP_ROOT) -> Path:
+    """The child cgroup the server of fault ``name`` runs in."""
+    return root / f"harness-soak-{name}"
+
+
 def memory_cgroup(name: str, limit: int, root: Path = CGROUP_ROOT) -> Path:
-    """Make (or reuse) the child cgroup ``root/harness-soak-NAME`` with ``memory.max`` =
-    ``limit`` bytes; :class:`HarnessError` says why it cannot be made on this host."""
+    """Make (or reuse) :func:`cgroup_folder` with ``memory.max`` = ``limit`` bytes;
+    :class:`HarnessError` says why it cannot be made on this host."""
     controllers = root / "cgroup.subtree_control"
     try:
         enabled = controllers.read_text().split()
@@ -575,7 +580,7 @@ def memory_cgroup(name: str, limit: int, root: Path = CGROUP_ROOT) -> Path:
         raise HarnessError(f"the memory controller is not enabled in {controllers}")
     if shutil.which("unshare") is None:
         raise HarnessError("no unshare command (util-linux) to give the server its own view")
-    folder = root / f"harness-soak-{name}"
+    folder = cgroup_folder(name, root)
     try:
         folder.mkdir(exist_ok=True)
         (folder / "memory.max").write_text(f"{limit}\n")
@@ -724,7 +729,7 @@ class Runner:
             model = self._fault_model(fault)
             cgroup = None
             if fault.cgroup_memory is not None:
-                cgroup = CGROUP_ROOT / f"harness-soak-{name}"
+                cgroup = cgroup_folder(name)
                 echo(f"# in the memory cgroup {cgroup}, memory.max = "
                      f"{fault.cgroup_memory(self._fault_spec(fault))} bytes")  # fmt: skip
             argv = self._server(name, self._fault_options(fault), model, {}, cgroup).argv
@@ -952,8 +957,7 @@ class Runner:
                 data["observed"] = {"outcome": "not run", "reason": f"on this host: {exc}"}
                 self._record(f"fault-{name}", "soak-fault", data)
                 return
-        options = self._fault_options(fault)
-        server = self._server(f"fault-{name}", options, model, fault.env, cgroup)
+        server = self._server(f"fault-{name}", self._fault_options(fault), model, fault.env, cgroup)
         started = self.clock()
         with server:
             state = server.wait_healthy(self.profile.e2e.startup_timeout_s, self.health_poll_s)
