@@ -465,6 +465,8 @@ class Runner:
         argv = replay.serve_argv(self.vllm, options, self.models[router], port)
         tag = f"{router}-{arm.name}{'-ngram' if speculative else ''}"
         log = self.out / "logs" / f"{tag}.server.log"
+        if not self.dry_run:
+            keep_earlier_start(self.out, tag)
         server = replay.Server(argv, port, log, self.env, stop_timeout_s=STOP_TIMEOUT_S)
         runs = self._runs(router, arm, speculative)
         if self.dry_run:
@@ -760,6 +762,26 @@ def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str
 
 
 # --- summary and plots ----------------------------------------------------------------------------
+
+
+def keep_earlier_start(out: Path, tag: str) -> None:
+    """Before a session resumes in ``out`` (a later call going on where a cut one
+    stopped), moves the earlier start's server log and record to
+    ``logs/TAG.server-N.log`` and ``logs/server-TAG-N.json`` (N = 1, 2, ...: the
+    first free), where the new start would overwrite them; the summary reads the
+    newest start's record only."""
+    logs = out / "logs"
+    earlier = [(logs / f"{tag}.server.log", "{tag}.server-{n}.log"),
+               (out / f"server-{tag}.json", "server-{tag}-{n}.json")]  # fmt: skip
+    if not any(path.exists() for path, _ in earlier):
+        return
+    n = 1
+    while any((logs / name.format(tag=tag, n=n)).exists() for _, name in earlier):
+        n += 1
+    logs.mkdir(parents=True, exist_ok=True)
+    for path, name in earlier:
+        if path.exists():
+            path.rename(logs / name.format(tag=tag, n=n))
 
 
 def _records(folder: Path) -> list[dict[str, Any]]:

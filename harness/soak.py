@@ -554,12 +554,14 @@ FAULTS: dict[str, Fault] = {
 #: Where a fault's memory cgroup is made (the cgroup v2 hierarchy of the host).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
-#: ``sh -c CGROUP_WRAPPER sh FOLDER ARGV...`` runs ARGV in the cgroup FOLDER, in new cgroup
-#: and mount namespaces whose /sys/fs/cgroup is that cgroup: what a container sees of its
-#: own, where vLLM reads its memory limit (/sys/fs/cgroup/memory.max).
+#: ``sh -c CGROUP_WRAPPER sh FOLDER ARGV...`` runs ARGV in the cgroup FOLDER, in a mount
+#: namespace whose /sys/fs/cgroup is that cgroup's folder (bind-mounted): what a container
+#: sees of its own, where vLLM reads its memory limit (/sys/fs/cgroup/memory.max). A fresh
+#: cgroup2 mount there is refused where the host's hierarchy is already mounted (EBUSY on
+#: the H200 host), a bind mount is not.
 CGROUP_WRAPPER = (
-    'echo $$ > "$1/cgroup.procs" && shift && exec unshare --cgroup --mount sh -c '
-    '\'mount -t cgroup2 cgroup2 /sys/fs/cgroup && exec "$@"\' sh "$@"'
+    'echo $$ > "$1/cgroup.procs" && exec unshare --mount sh -c '
+    '\'mount --bind "$1" /sys/fs/cgroup && shift && exec "$@"\' sh "$@"'
 )
 
 

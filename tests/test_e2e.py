@@ -566,10 +566,17 @@ def test_a_deadline_skips_the_decode_bench_that_cannot_finish(
     assert e2e.summarize(out)["not_measured"] == ["decode-skewed-pool-c1"]
     assert "decode-skewed-pool-c1: skipped, it needs at least 810 s" in capsys.readouterr().err
     assert len(runner.startups) == 1
-    # With time to spare the same bench runs.
+    first_log = (out / "logs/skewed-pool.server.log").read_text()
+    # With time to spare the same bench runs, from a second start of the server; the
+    # first start's log and record are kept beside it.
     runner.deadline = runner.clock() + 1000
     runner.run()
     assert (out / "decode-skewed-pool-c1.json").exists()
+    assert (out / "logs/skewed-pool.server-1.log").read_text() == first_log
+    assert (out / "logs/server-skewed-pool-1.json").exists()
+    assert (out / "server-skewed-pool.json").exists()
+    assert (out / "logs/skewed-pool.server.log").exists()
+    assert [r["arm"] for r in e2e.summarize(out)["servers"]] == ["pool"]
 
 
 @pytest.mark.usefixtures("fake")

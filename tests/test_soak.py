@@ -218,11 +218,11 @@ def test_a_memory_limit_fault_runs_the_server_in_its_cgroup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Fake `unshare` and `mount`: the wrapper's quoting and the cgroup.procs write are
-    # real, the namespaces are not made.
+    # real, the namespace is not made; `mount` writes down what it was asked to bind.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "unshare").write_text('#!/bin/sh\nshift 2\nFAKE_CGROUP=1 exec "$@"\n')
-    (bin_dir / "mount").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "unshare").write_text('#!/bin/sh\nshift\nFAKE_CGROUP=1 exec "$@"\n')
+    (bin_dir / "mount").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "mounted"}\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -240,8 +240,14 @@ def test_a_memory_limit_fault_runs_the_server_in_its_cgroup(
     assert made == {"host-ram-below-pool": expert_bytes(SPEC) // 2}
     record = json.loads((tmp_path / "out/fault-host-ram-below-pool.json").read_text())
     assert record["data"]["cgroup_memory_max"] == expert_bytes(SPEC) // 2
-    # The server's shell joined the cgroup before it became the server.
+    # The server's shell joined the cgroup before it became the server, and its
+    # /sys/fs/cgroup is the cgroup's folder.
     assert (tmp_path / "cgroup/cgroup.procs").read_text().strip().isdigit()
+    assert (tmp_path / "mounted").read_text().split() == [
+        "--bind",
+        str(tmp_path / "cgroup"),
+        "/sys/fs/cgroup",
+    ]
 
 
 def test_memory_cgroup_needs_the_memory_controller(
