@@ -1402,18 +1402,21 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         "(`summary.json`; `--summarize DIR` writes both again). Each check is pass, fail",
         "or not measured, with its numbers.",
         "",
-        "| check | " + " | ".join(arms) + " |",
-        "|" + " --- |" * (len(arms) + 1),
     ]
-    for key, what in CHECKS.items():
+    if arms:
+        lines += ["| check | " + " | ".join(arms) + " |", "|" + " --- |" * (len(arms) + 1)]
+    else:
+        lines.append("No arm was served in this folder (start-up faults only).")
+    for key, what in CHECKS.items() if arms else ():
         cells = []
         for arm in arms.values():
             check = arm["checks"][key]
             cells.append(f"**{check['status']}**: {check['detail']}".replace("|", "\\|"))
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
-    lines.append("| churn latency, p50 / p99 (reported, no goal) | " + " | ".join(
-        _latency_cell(arm.get("churn") or {}) for arm in arms.values()
-    ) + " |")  # fmt: skip
+    if arms:
+        lines.append("| churn latency, p50 / p99 (reported, no goal) | " + " | ".join(
+            _latency_cell(arm.get("churn") or {}) for arm in arms.values()
+        ) + " |")  # fmt: skip
     lines += ["", "## Start-up faults", "",
               "| fault | expected | observed | check |", "| --- | --- | --- | --- |"]  # fmt: skip
     for name, fault in summary["faults"].items():

@@ -206,6 +206,9 @@ def test_start_up_faults_are_recorded_against_what_the_tree_does(
     host = faults["host-ram-below-pool"]
     assert host["observed"]["outcome"] == "not run"
     assert host["check"]["detail"] == "on this host: no cgroup v2 hierarchy at /sys/fs/cgroup"
+    # A folder of faults only has no empty table of arm checks.
+    table = soak.summary_markdown(soak.summarize(tmp_path / "ok"))
+    assert "No arm was served in this folder" in table and "the server starts" not in table
     # A pool flag refused only after the weights loaded fails the check.
     monkeypatch.setenv("FAKE_VLLM_SOAK", "late-fault")
     _runner(tmp_path / "late").run([], ["rows-below-top-k"])
