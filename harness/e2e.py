@@ -129,7 +129,8 @@ class Measure:
     decode_concurrency: tuple[int, ...] = (1, 4, 16, 32)
     spec_tokens: int = 3
     spec_concurrency: tuple[int, ...] = (1, 4)
-    ttft_only_arms: tuple[str, ...] = ()
+    # Arms that differ from another only in prefill: TTFT and online runs, no decode.
+    prefill_only_arms: tuple[str, ...] = ()
     # VLLM_LOG_STATS_INTERVAL for every arm: the pool logs its counters this often.
     stats_interval_s: float = 0.5
     # Sampling temperature of the decode and online runs (0: greedy).
@@ -389,7 +390,7 @@ class Runner:
                 arm = self.profile.arms[name]
                 if self.plain:
                     out.append((router, arm, False))
-                if self.speculative and name not in self.profile.measure.ttft_only_arms:
+                if self.speculative and name not in self.profile.measure.prefill_only_arms:
                     out.append((router, arm, True))
         return out
 
@@ -439,14 +440,14 @@ class Runner:
                 runs.append(("ttft", replay.BenchRun(
                     n, 16, 1, next(seeds), raw, f"ttft-{tag}-in{n}.json", meta, run=1
                 )))  # fmt: skip
-        if arm.name not in m.ttft_only_arms:
+        if arm.name not in m.prefill_only_arms:
             for c in m.spec_concurrency if speculative else m.decode_concurrency:
                 runs.append(("decode", replay.BenchRun(
                     m.decode_input_len, m.decode_output_len, c, next(seeds), raw,
                     f"decode-{tag}-c{c}.json", meta, run=1, concurrency=c,
                     temperature=m.decode_temperature,
                 )))  # fmt: skip
-        if not speculative and arm.name not in m.ttft_only_arms:
+        if not speculative:
             input_len, input_ratio = replay.length_range(*m.online_input_lens)
             output_len, output_ratio = replay.length_range(*m.online_output_lens)
             for rate in m.online_rates:
@@ -1253,14 +1254,15 @@ def main(
     ttft: bool = True,
     decode: bool = True,
     online: bool = True,
+    online_rates: Sequence[float] = (),
     dry_run: bool = False,
     deadline_s: float | None = None,
     argv: Sequence[str] = (),
 ) -> int:
     """``python -m harness replay e2e``: see the module docstring. ``concurrency``
     replaces the profile's decode concurrencies, ``ttft=False`` drops its TTFT runs,
-    ``decode=False`` its decode runs, ``online=False`` its online runs, and
-    ``plain=False`` starts only the
+    ``decode=False`` its decode runs, ``online_rates`` replaces its online request rates,
+    ``online=False`` drops its online runs, and ``plain=False`` starts only the
     speculative-decoding servers, so that one profile's work can be split over several
     time-limited calls; ``deadline_s``, counted from now, makes the run skip what
     cannot finish in time (:meth:`Runner.fits`) instead of being cut."""
@@ -1271,6 +1273,12 @@ def main(
         raise HarnessError("--spec-only and --no-spec leave no server to start; drop one")
     if not decode and concurrency:
         raise HarnessError("--concurrency sets the decode runs that --no-decode drops; drop one")
+    if not online and online_rates:
+        raise HarnessError("--online-rates sets the online runs that --no-online drops; drop one")
+    if any(rate <= 0 for rate in online_rates):
+        raise HarnessError(
+            f"--online-rates takes request rates above 0 per second, not {list(online_rates)}"
+        )
     if not decode and speculative:
         raise HarnessError(
             "--no-decode drops the plain servers' decode runs, but the ngram servers run "
@@ -1285,14 +1293,14 @@ def main(
             "--no-decode and --no-ttft leave nothing to measure (and the profile's online "
             "runs are off or none); drop one"
         )
-    if concurrency or not ttft or not decode or not online:
+    if concurrency or online_rates or not ttft or not decode or not online:
         measure = dataclasses.replace(
             profile.measure,
             decode_concurrency=(tuple(concurrency) or profile.measure.decode_concurrency)
             if decode
             else (),
             ttft_input_lens=profile.measure.ttft_input_lens if ttft else (),
-            online_rates=profile.measure.online_rates if online else (),
+            online_rates=(tuple(online_rates) or profile.measure.online_rates) if online else (),
         )
         profile = dataclasses.replace(profile, measure=measure)
     arms = list(arms) or list(profile.arms)

@@ -307,13 +307,14 @@ def _dry_run_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], **options
 def test_online_runs_arrive_as_poisson_with_lengths_drawn_from_the_ranges(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The online runs alone: a pool server, the warm-up, then one run per rate.
+    # The online runs alone: per server (pool, then pool-host-view, whose prefill differs
+    # and so is measured online too) the warm-up, then one run per rate.
     lines = _dry_run_lines(tmp_path, capsys, decode=False, ttft=False)
-    # pool-host-view only measures TTFT: its server has nothing left to run but the warm-up.
     benches = [line for line in lines if "bench serve" in line and "online-" in line]
     measure = e2e.load_profiles()["glm-shape-h200"].measure
-    assert len(benches) == len(measure.online_rates) > 0
-    for rate, bench in zip(measure.online_rates, benches, strict=True):
+    assert len(benches) == 2 * len(measure.online_rates) > 0
+    assert [b for b in benches if "online-skewed-pool-host-view-" in b] == benches[3:]
+    for rate, bench in zip(measure.online_rates * 2, benches, strict=True):
         argv = shlex.split(bench)
         value = dict(itertools.pairwise(argv))
         assert value["--request-rate"] == f"{rate:g}" and value["--burstiness"] == "1"
@@ -327,6 +328,15 @@ def test_online_runs_arrive_as_poisson_with_lengths_drawn_from_the_ranges(
             assert math.floor(length * (1 - ratio[key])) == low
             assert math.ceil(length * (1 + ratio[key])) == high
     assert measure.online_prompts(0.01) == 4  # a few requests even at a low rate
+    # --online-rates replaces the profile's rates, in the order given.
+    lines = _dry_run_lines(tmp_path, capsys, decode=False, ttft=False, online_rates=[0.5, 0.2])
+    rates = [dict(itertools.pairwise(shlex.split(line)))["--request-rate"]
+             for line in lines if "bench serve" in line and "online-" in line]  # fmt: skip
+    assert rates == ["0.5", "0.2"] * 2
+    with pytest.raises(e2e.HarnessError, match="--online-rates sets the online runs"):
+        e2e.main("glm-shape-h200", tmp_path, python=Path("py"), online=False, online_rates=[1])
+    with pytest.raises(e2e.HarnessError, match="request rates above 0"):
+        e2e.main("glm-shape-h200", tmp_path, python=Path("py"), online_rates=[0.0])
 
 
 def test_online_rows_summarize_latency_throughput_and_staging() -> None:
