@@ -58,6 +58,7 @@ import shlex
 import subprocess
 import time
 import tomllib
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -299,6 +300,17 @@ def offload_options(arm: Arm, spec: checkpoint.Spec, budget: float) -> dict[str,
     }
 
 
+def bench_seed(run: str) -> int:
+    """The request seed of one kind of bench run (``"decode-c32"``, ``"online-r0.3"``).
+
+    It depends on the run alone, not on the arm, router, flags or the run's place in
+    the list, so every arm and every later call (``--no-ttft``, ``--online-rates``...)
+    sends the same prompts and lengths for it and their results compare request for
+    request.
+    """
+    return zlib.crc32(run.encode()) % 1_000_000 + 1
+
+
 def server_options(
     profile: Profile, arm: Arm, spec: checkpoint.Spec, speculative: bool
 ) -> replay.ServerOptions:
@@ -431,19 +443,18 @@ class Runner:
         raw = self.out / "raw"
         tag = f"{router}-{arm.name}{'-ngram' if speculative else ''}"
         meta = {"profile": self.profile.name, "arm": arm.name, "router": router}
-        seeds = iter(range(1, 1000))
         runs = [("warmup", replay.BenchRun(
-            m.warmup_input_len, 16, 1, next(seeds), raw, f"warmup-{tag}.json", meta
+            m.warmup_input_len, 16, 1, bench_seed("warmup"), raw, f"warmup-{tag}.json", meta
         ))]  # fmt: skip
         if not speculative:
             for n in m.ttft_input_lens:
                 runs.append(("ttft", replay.BenchRun(
-                    n, 16, 1, next(seeds), raw, f"ttft-{tag}-in{n}.json", meta, run=1
+                    n, 16, 1, bench_seed(f"ttft-in{n}"), raw, f"ttft-{tag}-in{n}.json", meta, run=1
                 )))  # fmt: skip
         if arm.name not in m.prefill_only_arms:
             for c in m.spec_concurrency if speculative else m.decode_concurrency:
                 runs.append(("decode", replay.BenchRun(
-                    m.decode_input_len, m.decode_output_len, c, next(seeds), raw,
+                    m.decode_input_len, m.decode_output_len, c, bench_seed(f"decode-c{c}"), raw,
                     f"decode-{tag}-c{c}.json", meta, run=1, concurrency=c,
                     temperature=m.decode_temperature,
                 )))  # fmt: skip
@@ -453,7 +464,7 @@ class Runner:
             for rate in m.online_rates:
                 prompts = m.online_prompts(rate)
                 runs.append(("online", replay.BenchRun(
-                    input_len, output_len, prompts, next(seeds), raw,
+                    input_len, output_len, prompts, bench_seed(f"online-r{rate:g}"), raw,
                     f"online-{tag}-r{rate:g}.json", meta, run=1, concurrency=prompts,
                     temperature=m.decode_temperature, request_rate=rate,
                     range_ratio=(input_ratio, output_ratio),

@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -337,6 +338,28 @@ def test_online_runs_arrive_as_poisson_with_lengths_drawn_from_the_ranges(
         e2e.main("glm-shape-h200", tmp_path, python=Path("py"), online=False, online_rates=[1])
     with pytest.raises(e2e.HarnessError, match="request rates above 0"):
         e2e.main("glm-shape-h200", tmp_path, python=Path("py"), online_rates=[0.0])
+
+
+def test_a_bench_run_sends_the_same_requests_whatever_the_arm_or_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The request seed belongs to the run ("online-r0.3"), not to its place in the list:
+    # run 31's host-view online run (--no-ttft --no-decode) drew other prompts than
+    # run 28's pool run of the same rate (full profile) while seeds were counted.
+    def seeds(**options: Any) -> dict[str, set[str]]:
+        found: dict[str, set[str]] = {}
+        for line in _dry_run_lines(tmp_path, capsys, **options):
+            if "bench serve" in line:
+                value = dict(itertools.pairwise(shlex.split(line)))
+                run = re.sub(r"-skewed-pool(-host-view)?", "", value["--result-filename"])
+                found.setdefault(run, set()).add(value["--seed"])
+        return found
+
+    full, online_only = seeds(), seeds(decode=False, ttft=False, online_rates=[0.3])
+    assert all(len(s) == 1 for s in full.values())  # both arms, one seed per run
+    assert online_only["online-r0.3.json"] == full["online-r0.3.json"]
+    assert online_only["warmup.json"] == full["warmup.json"]
+    assert len({next(iter(s)) for s in full.values()}) == len(full) > 5  # runs differ
 
 
 def test_online_rows_summarize_latency_throughput_and_staging() -> None:
