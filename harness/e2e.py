@@ -443,19 +443,22 @@ class Runner:
         raw = self.out / "raw"
         tag = f"{router}-{arm.name}{'-ngram' if speculative else ''}"
         meta = {"profile": self.profile.name, "arm": arm.name, "router": router}
-        runs = [("warmup", replay.BenchRun(
-            m.warmup_input_len, 16, 1, bench_seed("warmup"), raw, f"warmup-{tag}.json", meta
-        ))]  # fmt: skip
+
+        def where(kind: str, suffix: str = "") -> tuple[int, Path, str, dict[str, str]]:
+            # The request seed follows the run alone; the result file names the server too.
+            return bench_seed(kind + suffix), raw, f"{kind}-{tag}{suffix}.json", meta
+
+        runs = [("warmup", replay.BenchRun(m.warmup_input_len, 16, 1, *where("warmup")))]
         if not speculative:
             for n in m.ttft_input_lens:
                 runs.append(("ttft", replay.BenchRun(
-                    n, 16, 1, bench_seed(f"ttft-in{n}"), raw, f"ttft-{tag}-in{n}.json", meta, run=1
+                    n, 16, 1, *where("ttft", f"-in{n}"), run=1
                 )))  # fmt: skip
         if arm.name not in m.prefill_only_arms:
             for c in m.spec_concurrency if speculative else m.decode_concurrency:
                 runs.append(("decode", replay.BenchRun(
-                    m.decode_input_len, m.decode_output_len, c, bench_seed(f"decode-c{c}"), raw,
-                    f"decode-{tag}-c{c}.json", meta, run=1, concurrency=c,
+                    m.decode_input_len, m.decode_output_len, c, *where("decode", f"-c{c}"),
+                    run=1, concurrency=c,
                     temperature=m.decode_temperature,
                 )))  # fmt: skip
         if not speculative:
@@ -464,8 +467,8 @@ class Runner:
             for rate in m.online_rates:
                 prompts = m.online_prompts(rate)
                 runs.append(("online", replay.BenchRun(
-                    input_len, output_len, prompts, bench_seed(f"online-r{rate:g}"), raw,
-                    f"online-{tag}-r{rate:g}.json", meta, run=1, concurrency=prompts,
+                    input_len, output_len, prompts, *where("online", f"-r{rate:g}"),
+                    run=1, concurrency=prompts,
                     temperature=m.decode_temperature, request_rate=rate,
                     range_ratio=(input_ratio, output_ratio),
                 )))  # fmt: skip
