@@ -160,13 +160,20 @@ WHICH_FLAG_ARMS = (
 
 ROUTERS = ("skewed", "uniform")
 
+#: The online request rate the table shows (skewed router): the profile's rate just above
+#: the pool's capacity at this budget, where offloads differ most under load.
+WHICH_FLAG_ONLINE_RATE = 0.3
+
 
 def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
     """README's "Which flag" rows from :data:`E2E_SUMMARY`: per arm, what its
-    server kept on the GPU, TTFT (skewed router) and sampled decode tok/s per request at
-    1 and 32 requests (skewed / uniform), each the newest value (:func:`e2e.newest_cells`)."""
+    server kept on the GPU, TTFT (skewed router), sampled decode tok/s per request at
+    1 and 32 requests (skewed / uniform) and, under online load at
+    :data:`WHICH_FLAG_ONLINE_RATE`, the p99 inter-token latency and the requests served
+    per second; each the newest value (:func:`e2e.newest_cells`)."""
     cells = e2e.newest_cells(summary)
     servers, ttft, decode = cells["servers"], cells["ttft"], cells["decode"]
+    online = cells["online"]
     pooled = servers.get(("pool",), {}).get("facts", {}).get("pool_rows_per_layer") or ["N"]
     rows = f"{pooled[0]:g}" if isinstance(pooled[0], float) else str(pooled[0])
 
@@ -194,6 +201,11 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
                 " / ".join(value(decode.get((r, arm, 0, c)), "tok_s") for r in ROUTERS)
                 for c in (1, 32)
             ),
+            " / ".join(
+                (value(row, "itl_ms_p99"), f"{row['request_throughput']:.3f}")
+                if (row := online.get(("skewed", arm, WHICH_FLAG_ONLINE_RATE)))
+                else ("-",)
+            ),
         ])  # fmt: skip
     return out
 
@@ -207,6 +219,8 @@ def _shown_rows(summary: dict[str, Any]) -> list[Mapping[str, Any]]:
         *(r for (router, arm, _), r in cells["ttft"].items() if router == "skewed" and arm in arms),
         *(r for (_, arm, spec, c), r in cells["decode"].items()
           if arm in arms and not spec and c in (1, 32)),
+        *(r for (router, arm, rate), r in cells["online"].items()
+          if router == "skewed" and arm in arms and rate == WHICH_FLAG_ONLINE_RATE),
     ]  # fmt: skip
 
 
@@ -262,6 +276,8 @@ def render_which_flag(project: Project) -> str:
         "TTFT 12.5K / 81.6K tokens, s",
         "decode, 1 request, tok/s (skewed / uniform)",
         "decode, 32 requests, tok/s per request (skewed / uniform)",
+        f"online, {WHICH_FLAG_ONLINE_RATE:g} requests/s: inter-token p99, ms / served, "
+        "requests/s",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in which_flag_cells(summary)]
@@ -275,7 +291,10 @@ def render_which_flag(project: Project) -> str:
         f"{each(lambda p: p['cuda'])}, torch {each(lambda p: p['torch'])}, {attention}, "
         f"{compiled}; synthetic NVFP4 model ({model}; Marlin), {budget} of "
         f"the expert bytes allowed on the GPU; "
-        f"TTFT with the skewed router; sampled decode; "
+        f"TTFT and online load with the skewed router; sampled decode; online: Poisson "
+        f"arrivals for {profile.measure.online_duration_s:g} s, inputs of "
+        f"{'-'.join(map(str, profile.measure.online_input_lens))} and outputs of "
+        f"{'-'.join(map(str, profile.measure.online_output_lens))} tokens; "
         f"`python -m harness replay e2e --profile {WHICH_FLAG_PROFILE}`.",
     ]
     return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from test_replay import fake  # noqa: F401 (the fake `vllm` CLI fixture)
 
-from harness import checkpoint, checkpoint_routed, e2e
+from harness import checkpoint, checkpoint_routed, document, e2e
 from harness.checkpoint import Spec
 from harness.checkpoint_routed import ROUTERS
 
@@ -791,3 +791,20 @@ def test_the_attention_backend_each_server_used_comes_from_its_log() -> None:
     chosen = "INFO [cuda.py:489] Using AttentionBackendEnum.TRITON_ATTN backend.\n"
     assert e2e.attention_backend(chosen) == "TRITON_ATTN"
     assert e2e.attention_backend("INFO nothing about attention\n") == "not logged"
+
+
+def test_which_flag_shows_the_online_rate_it_names_and_no_other() -> None:
+    summary = _three_run_summary()
+    online = {"router": "skewed", "run": "2026-01-02-run2-b", "series_hash": "h2",
+              "outcome": "ok", "request_throughput": 0.2481, "itl_ms_p99": 541.9}  # fmt: skip
+    summary["online"] = [
+        {**online, "arm": "pool", "request_rate": document.WHICH_FLAG_ONLINE_RATE},
+        {**online, "arm": "uva", "request_rate": 0.1},  # another rate: not shown
+        {**online, "arm": "resident", "request_rate": document.WHICH_FLAG_ONLINE_RATE,
+         "outcome": "cut"},  # not completed: not shown
+    ]  # fmt: skip
+    rows = {row[0]: row for row in document.which_flag_cells(summary)}
+    pool = next(flag for flag in rows if flag.startswith("`--moe-expert-pool-rows"))
+    assert rows[pool][-1] == "542 / 0.248"
+    assert rows["`--cpu-offload-gb` (UVA)"][-1] == "-"
+    assert rows["none: every expert on the GPU (reference)"][-1] == "-"
