@@ -276,8 +276,7 @@ def render_which_flag(project: Project) -> str:
         "TTFT 12.5K / 81.6K tokens, s",
         "decode, 1 request, tok/s (skewed / uniform)",
         "decode, 32 requests, tok/s per request (skewed / uniform)",
-        f"online, {WHICH_FLAG_ONLINE_RATE:g} requests/s: inter-token p99, ms / served, "
-        "requests/s",
+        f"online, {WHICH_FLAG_ONLINE_RATE:g} requests/s: inter-token p99, ms / served, requests/s",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in which_flag_cells(summary)]
