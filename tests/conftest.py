@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io
+import signal
 import sys
 import tarfile
 from collections.abc import Callable
@@ -20,6 +21,12 @@ import pytest
 
 from harness import base
 from harness.project import Identity, Project, git
+
+# A shell starts background jobs with SIGINT ignored, and the children the tests start
+# (the fake vLLM, the replays of device_run) inherit that: the SIGINT by which the
+# harness stops them would then do nothing. Tests of that stop need it delivered.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 IDENTITY = Identity("Series Bot", "bot@example.invalid", "2026-01-01T00:00:00+00:00")
 
