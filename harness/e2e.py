@@ -712,7 +712,9 @@ def pool_metrics(
 
     The same counters as :func:`pool_counters` reads from the log, exported by the
     series as ``vllm:moe_expert_pool_{hits,misses,promotions,copied_bytes}_total``
-    per layer, plus the ``route_error`` gauge after the bench; scraped before and
+    (summed over the pooled layers; earlier versions of the series exported one
+    series per layer, which ``layers`` counts; None for the summed form), plus the
+    ``route_error`` gauge after the bench; scraped before and
     after the bench, so nothing of the previous run leaks in (the worker attaches a
     snapshot at most once per ``VLLM_LOG_STATS_INTERVAL``: the last interval of a
     bench may be missing). ``None`` when the second scrape failed.
@@ -732,8 +734,11 @@ def pool_metrics(
         **delta,
         "hit_rate": round(delta["hits"] / seen, 4) if seen else None,
         "route_error": total("route_error", after),
-        "layers": len({k for k in after if k.startswith(POOL_METRICS + "hits_total")}),
-    }
+        "layers": len(per_layer)
+        if (per_layer := {k for k in after if k.startswith(POOL_METRICS + "hits_total{")
+                          and 'layer="' in k})
+        else None,
+    }  # fmt: skip
 
 
 def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str, Any]:

@@ -1264,7 +1264,8 @@ def _route_error(data: Mapping[str, Any]) -> dict[str, Any]:
     return _check_row(
         PASS if over["route_error"] == 0 else FAIL,
         f"route_error {over['route_error']:g}; between the checkpoints {over['hits']} hits, "
-        f"{over['misses']} misses, {over['layers']} pooled layers",
+        f"{over['misses']} misses"
+        + (f", {over['layers']} pooled layers" if over["layers"] is not None else ""),
         value=over["route_error"],
     )
 

@@ -266,6 +266,12 @@ def test_pool_metrics_is_the_scraped_delta_summed_over_layers(
     assert (got["hits"], got["misses"], got["promotions"], got["copied_bytes"]) == (40, 10, 0, 0)
     assert got["hit_rate"] == 0.8 and got["route_error"] == 1.0 and got["layers"] == 2
     assert e2e.pool_metrics(before, None) is None
+    # The summed form (one series, no layer label): the same counts, no layer count.
+    summed = {'vllm:moe_expert_pool_hits_total{engine="0"}': 55.0,
+              'vllm:moe_expert_pool_misses_total{engine="0"}': 15.0}  # fmt: skip
+    got = e2e.pool_metrics({}, summed)
+    assert got is not None and got["layers"] is None
+    assert (got["hits"], got["misses"], got["hit_rate"]) == (55, 15, 0.7857)
     monkeypatch.setattr(e2e.replay, "http_get", lambda url: (503, ""))
     assert e2e.replay.scrape_metrics("http://x", e2e.POOL_METRICS) is None
 
