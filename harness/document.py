@@ -201,11 +201,9 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
                 " / ".join(value(decode.get((r, arm, 0, c)), "tok_s") for r in ROUTERS)
                 for c in (1, 32)
             ),
-            " / ".join(
-                (value(row, "itl_ms_p99"), f"{row['request_throughput']:.3f}")
-                if (row := online.get(("skewed", arm, WHICH_FLAG_ONLINE_RATE)))
-                else ("-",)
-            ),
+            f"{value(row, 'itl_ms_p99')} / {row['request_throughput']:.3f}"
+            if (row := online.get(("skewed", arm, WHICH_FLAG_ONLINE_RATE)))
+            else "-",
         ])  # fmt: skip
     return out
 

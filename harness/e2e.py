@@ -730,15 +730,13 @@ def pool_metrics(
         for name in ("hits", "misses", "promotions", "copied_bytes")
     }
     seen = delta["hits"] + delta["misses"]
+    per_layer = [k for k in after if k.startswith(POOL_METRICS + "hits_total{") and 'layer="' in k]
     return {
         **delta,
         "hit_rate": round(delta["hits"] / seen, 4) if seen else None,
         "route_error": total("route_error", after),
-        "layers": len(per_layer)
-        if (per_layer := {k for k in after if k.startswith(POOL_METRICS + "hits_total{")
-                          and 'layer="' in k})
-        else None,
-    }  # fmt: skip
+        "layers": len(per_layer) or None,
+    }
 
 
 def gpu_expert_bytes(data: Mapping[str, Any], spec: checkpoint.Spec) -> dict[str, Any]:
