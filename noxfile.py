@@ -28,6 +28,9 @@ nox.options.sessions = ["harness", "apply", "check", "build", "test", "lint"]
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 
 PYTHON = "3.11"
+# Every tool a session installs, and what they need, at one version each
+# (harness.toolpins; `nox -s lock` remakes it).
+LOCK = "harness/data/tools.lock"
 
 
 def _harness(session: nox.Session, *args: str) -> None:
@@ -40,7 +43,9 @@ def harness(session: nox.Session) -> None:
     # matplotlib: harness.replay's plots; pip: the device runner installs the
     # carried wheels with it, as it does on a GPU host; pytest-xdist: the tests
     # run on every CPU nox may use (its affinity: `-n auto` counts the host's cores).
-    session.install("pytest", "pytest-xdist", "ruff", "mypy", "matplotlib", "pip", "numpy")
+    session.install(
+        "--constraint", LOCK, "pytest", "pytest-xdist", "ruff", "mypy", "matplotlib", "pip", "numpy"
+    )
     session.run("ruff", "check", "harness", "tests", "noxfile.py", "scripts")
     session.run("ruff", "format", "--check", "harness", "tests", "noxfile.py", "scripts")
     session.run("mypy", "harness")
@@ -122,6 +127,12 @@ def matrix(session: nox.Session) -> None:
 def pin(session: nox.Session) -> None:
     """Pin a release from the index (`-- 0.35.0`), or list newer ones (`-- --newer`)."""
     _harness(session, "pin", *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+def lock(session: nox.Session) -> None:
+    """Re-resolve harness/data/tools.lock and show what changed (`-- --upgrade`: newest)."""
+    _harness(session, "lock", *session.posargs)
 
 
 @nox.session(venv_backend="none")

@@ -22,6 +22,7 @@ from harness import (
     pinning,
     series,
     test,
+    toolpins,
 )
 from harness.project import RELEASE_ENV, HarnessError, Identity, Project
 
@@ -72,7 +73,7 @@ def _cmd_hash(project: Project, args: argparse.Namespace) -> int:
 
 def _cmd_build(project: Project, args: argparse.Namespace) -> int:
     info = build.build(project, full=args.full, stock_kernels=args.stock_kernels)
-    print(info.wheel)
+    print(f"wheel: {info.wheel}")
     return 0
 
 
@@ -110,6 +111,12 @@ def _cmd_pin(project: Project, args: argparse.Namespace) -> int:
     entry = pinning.pin(project, args.version, series=args.series)
     print(pinning.render_entry(entry), end="")
     print(f"appended to {project.pin_file}; `VLLM_SERIES_VLLM={args.version} nox -s apply` next")
+    return 0
+
+
+def _cmd_lock(project: Project, args: argparse.Namespace) -> int:
+    change = toolpins.relock(project.root, upgrade=args.upgrade)
+    print("\n".join(change.lines()))
     return 0
 
 
@@ -378,6 +385,22 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="pin nothing: list the releases on the index newer than every pin (exit 1 when "
         "there is one, so a scheduled job notices)",
+    )
+    lk = add(
+        "lock",
+        _cmd_lock,
+        f"re-resolve {toolpins.LOCK}, the versions of every tool the harness installs "
+        "(nox's harness session, the harness venv's test requirements, lint's unpinned hook "
+        f"dependencies) and of what they need, from {toolpins.REQUIREMENTS} with `uv pip "
+        "compile` (needs the package index), and print what changed: `name old -> new`, "
+        "added, removed. Without --upgrade the locked versions stay where they still resolve, "
+        "so only what a change of the requirements needs moves; commit the lock with it",
+    )
+    lk.add_argument(
+        "--upgrade",
+        action="store_true",
+        help="move every package to the newest version that resolves (`nox -s harness` and "
+        "`nox -s lint` then try the new versions before the lock is committed)",
     )
     _add_replay_commands(add)
     return top

@@ -12,6 +12,12 @@ normal CUDA build on hosts with CUDA and network access.
 The wheel is built from a ``git archive`` snapshot of ``series``, never from
 the work tree itself: the build rewrites tracked files (``vllm/_version.py``,
 the egg-info), which would dirty the tree the series lives in.
+
+The wheel keeps the name the build gives it: pip and uv read its version and
+Python tag from it (``...-cp311-cp311-linux_x86_64.whl``: CPython 3.11 only).
+``python -m harness build`` prints its absolute path last (``wheel: PATH``) and
+writes it, one line, to ``<work>/dist/LATEST`` (:data:`LATEST`), where install
+commands read it (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from harness.venv import ensure_venv, uv_env
 
 # Paths whose changes the python-only build cannot carry into the wheel.
 COMPILED_PATHS = ("csrc/", "cmake/", "CMakeLists.txt", "setup.py", "pyproject.toml")
+
+#: The file in ``<work>/dist`` that holds the built wheel's absolute path.
+LATEST = "LATEST"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +165,7 @@ def build(project: Project, *, full: bool = False, stock_kernels: bool = False) 
         env=env,
         log=log,
     )
-    (built,) = dist.glob("vllm-*.whl")
+    (built,) = (wheel.resolve() for wheel in dist.glob("vllm-*.whl"))
     info = BuildInfo(
         wheel=str(built),
         wheel_sha256=sha256_file(built),
@@ -166,6 +175,7 @@ def build(project: Project, *, full: bool = False, stock_kernels: bool = False) 
         tree_commit=git(tree, "rev-parse", "HEAD").stdout.strip(),
     )
     info.write(dist / "build.json")
+    (dist / LATEST).write_text(f"{built}\n")
     progress(f"built {built.name}")
     return info
 

@@ -1,11 +1,13 @@
 """vLLM's own checks, on the files the series touches.
 
 The checks and tool versions are the patched tree's: ruff and typos at the
-revisions its ``.pre-commit-config.yaml`` pins, mypy through its
-``tools/pre_commit/mypy.py`` (Python 3.11), and its local hooks for SPDX
-headers, test tethering, ``torch.cuda`` calls, config docstrings, forbidden
-imports and boolean context managers. They run in the harness venv, which has
-the built wheel installed, so mypy resolves vLLM's dependencies.
+revisions its ``.pre-commit-config.yaml`` pins, mypy (and the hook dependencies
+it pins) through its ``tools/pre_commit/mypy.py`` (Python 3.11), and its local
+hooks for SPDX headers, test tethering, ``torch.cuda`` calls, config
+docstrings, forbidden imports and boolean context managers. The hook
+dependencies the config leaves unpinned get harness/data/tools.lock's versions.
+They run in the harness venv, which has the built wheel installed, so mypy
+resolves vLLM's dependencies.
 
 mypy runs twice, on the series and on its base (only the errors the series
 adds count), with one incremental cache in the work area: the base's run
@@ -22,7 +24,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from harness import build, series, venv
+from harness import build, series, toolpins, venv
 from harness.applying import scratch_tree
 from harness.project import HarnessError, Project, git, progress
 
@@ -37,7 +39,9 @@ LOCAL_HOOKS = {
 
 
 def pinned_tools(tree: Path) -> list[str]:
-    """ruff, typos and mypy (with its stub packages) as the tree's pre-commit pins them."""
+    """ruff, typos and mypy (with its stub packages) as the tree's pre-commit pins them;
+    what it installs without a version (and PyYAML, which its hooks import) at the version
+    of harness/data/tools.lock."""
     config = (tree / ".pre-commit-config.yaml").read_text()
 
     def rev(repo: str) -> str:
@@ -54,7 +58,12 @@ def pinned_tools(tree: Path) -> list[str]:
     if not mypy:
         raise HarnessError("no mypy pin in the tree's .pre-commit-config.yaml")
     mypy_deps = [d.strip().strip('"') for d in mypy.group(1).split(",")]
-    return [f"ruff=={rev('ruff-pre-commit')}", f"typos=={rev('typos')}", *mypy_deps, "PyYAML"]
+    return [
+        f"ruff=={rev('ruff-pre-commit')}",
+        f"typos=={rev('typos')}",
+        # a bare name gets the lock's version; one the tree constrains keeps the tree's
+        *(toolpins.pin(d) if re.fullmatch(r"[\w.-]+", d) else d for d in [*mypy_deps, "PyYAML"]),
+    ]
 
 
 def lint(project: Project) -> list[str]:

@@ -3,7 +3,9 @@
 ``python -m harness selftest`` runs ``tests/wheel/`` with the harness venv's
 Python (the venv ``python -m harness test`` installs the built wheel into), so
 what they check is the vLLM the series ships: today, that vLLM 0.33.0 reads the
-synthetic checkpoint of :mod:`harness.checkpoint` as a ModelOpt NVFP4 MoE model.
+synthetic checkpoint of :mod:`harness.checkpoint` as a ModelOpt NVFP4 MoE model,
+and that the wheel installs into a fresh venv as docs/serving.md says, where
+``vllm serve`` lists the pool's flags and refuses the pool on a model without experts.
 The ``harness`` nox session's venv has no vLLM and never collects these tests
 (``tests/wheel/conftest.py``); here a missing vLLM fails, and so does a run that
 collects nothing.

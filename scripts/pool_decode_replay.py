@@ -82,10 +82,12 @@ def make_experts(num_experts: int, seed: int) -> dict[str, Any]:
 
 
 def marlin_kernel(num_experts: int) -> Any:
-    """The modular kernel a ModelOpt NVFP4 layer builds on the Marlin backend
-    (no-DP/EP prepare/finalize, ``MarlinExperts``): installing the pool swaps
-    its experts for the pool's, as for a loaded layer. Its scales are never
-    read: the pool passes its own tensors to Marlin."""
+    """The modular kernel a pooled ModelOpt NVFP4 layer builds on the Marlin
+    backend (no-DP/EP prepare/finalize, the pool's ``PooledMarlinExperts``,
+    which installing the pool binds to its bank). Series whose experts class
+    has no ``bind`` (the 0.33.0 series) get ``MarlinExperts``, which their
+    install swaps for the pool's. Its scales are never read: the pool passes
+    its own tensors to Marlin."""
     import torch
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -118,7 +120,10 @@ def marlin_kernel(num_experts: int) -> Any:
     quant = nvfp4_w4a16_moe_quant_config(
         g1_alphas=ones, g2_alphas=ones, w1_scale=ones, w2_scale=ones
     )
-    return mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), MarlinExperts(moe, quant))
+    from vllm.model_executor.layers.fused_moe.expert_pool.experts import PooledMarlinExperts
+
+    experts_cls = PooledMarlinExperts if hasattr(PooledMarlinExperts, "bind") else MarlinExperts
+    return mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts_cls(moe, quant))
 
 
 def pending_layer(
@@ -143,11 +148,16 @@ def pending_layer(
         "local_num_experts": num_experts,
         "top_k": TOP_K,
         "expert_pool_rows": rows,
+        "expert_pool": None,
+        # What the guard leaves on a pooled layer: the quant method's flag on
+        # this series, the layer's own flags on the 0.33.0 series.
         "expert_pool_pending": True,
         "expert_pool_layer": None,
         "activation": MoEActivation.SILU,
         "apply_router_weight_on_input": False,
-        "quant_method": SimpleNamespace(moe_kernel=marlin_kernel(num_experts)),
+        "quant_method": SimpleNamespace(
+            moe_kernel=marlin_kernel(num_experts), uses_expert_pool=True
+        ),
     }
     for key, value in attrs.items():
         setattr(layer, key, value)

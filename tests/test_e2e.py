@@ -625,7 +625,7 @@ def test_a_decode_bench_is_bounded_by_the_earlier_ones_at_fewer_requests(
     # The fake's step is 9 ms x requests; each bench has 10,000 steps after the first.
     up = _with_measure(_tiny_runner(tmp_path / "up", arms=("pool",)),
                        decode_output_len=10_001, decode_concurrency=(4, 16))  # fmt: skip
-    up.deadline = up.clock() + 100
+    up.deadline = up.clock() + 200  # what the servers' starts and the benches take is spare
     up.run()
     # c=4 needs the warm-up's 81 s; c=16 the c=4 bench's 0.9 x 36 ms x 10,000 = 324 s.
     assert (tmp_path / "up/decode-skewed-pool-c4.json").exists()
@@ -633,7 +633,7 @@ def test_a_decode_bench_is_bounded_by_the_earlier_ones_at_fewer_requests(
     # A bench at more requests does not bound one at fewer.
     down = _with_measure(_tiny_runner(tmp_path / "down", arms=("pool",)),
                          decode_output_len=10_001, decode_concurrency=(16, 4))  # fmt: skip
-    down.deadline = down.clock() + 100
+    down.deadline = down.clock() + 200  # c=4 bounded by c=16's bench would need 1,296 s
     down.run()
     assert (tmp_path / "down/decode-skewed-pool-c16.json").exists()
     assert (tmp_path / "down/decode-skewed-pool-c4.json").exists()

@@ -23,7 +23,8 @@ LEAVES = {
     "project": set(),
     "patches": {"project"},
     "results": {"project", "patches"},
-    "venv": {"project"},
+    "toolpins": {"project"},
+    "venv": {"project", "toolpins"},
     "touched": {"project"},
     "device_run": set(),  # travels alone to GPU hosts
 }

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from harness import lint
+import pytest
+
+from harness import lint, toolpins
+from harness.project import REPO, HarnessError
 
 CONFIG = """repos:
 - repo: https://example.invalid/astral-sh/ruff-pre-commit
@@ -18,15 +21,31 @@ CONFIG = """repos:
 
 
 def test_pinned_tools_follow_the_tree(tmp_path):
-    (tmp_path / ".pre-commit-config.yaml").write_text(CONFIG)
+    """The tree's pins stay the tree's (the lock has other ruff and mypy versions); what
+    it leaves unpinned gets the lock's version."""
+    (tmp_path / ".pre-commit-config.yaml").write_text(
+        CONFIG.replace("types-cachetools]", 'types-cachetools, "pydantic==2.13.5", "pip>=9"]')
+    )
+    locked = toolpins.read_lock(REPO / toolpins.LOCK)
     assert lint.pinned_tools(tmp_path) == [
         "ruff==0.14.0",
         "typos==1.43.5",
         "mypy==1.20.2",
-        "regex",
-        "types-cachetools",
-        "PyYAML",
+        f"regex=={locked['regex']}",
+        f"types-cachetools=={locked['types-cachetools']}",
+        "pydantic==2.13.5",
+        "pip>=9",
+        f"PyYAML=={locked['pyyaml']}",
     ]
+    assert locked["ruff"] != "0.14.0" and locked["mypy"] != "1.20.2"
+
+
+def test_a_hook_dependency_the_lock_lacks_is_refused_with_the_fix(tmp_path):
+    (tmp_path / ".pre-commit-config.yaml").write_text(
+        CONFIG.replace("types-cachetools]", "types-cachetools, types-newthing]")
+    )
+    with pytest.raises(HarnessError, match=r"types-newthing is not in .*tools\.lock: add it to "):
+        lint.pinned_tools(tmp_path)
 
 
 def test_pinned_tools_read_revisions_frozen_to_commits(tmp_path):

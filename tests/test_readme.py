@@ -5,18 +5,20 @@ user reads (README.md, SERIES.md, docs/, and the opening section of every
 results README, before its first ``## `` heading) use no words of the
 project's own run diary (:data:`DIARY`). Every decode, memory or hit-rate
 number in README's prose must be one that the e2e summary (``document.E2E_SUMMARY``) gives
-(its generated tables), and the generated "Which flag" table must be current.
+(its generated tables), and the generated "Which flag" table must be current. The install
+command of README's "Use it" and docs/serving.md is the one the harness runs.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
-from harness import document, e2e
+from harness import document, e2e, venv
 from harness.project import Project
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -188,3 +190,34 @@ def test_the_conditions_line_names_the_attention_backend_as_users_know_it():
     assert document.attention_name("FLASH_ATTN") == "FlashAttention"
     assert document.attention_name("TRITON_ATTN") == "Triton attention"
     assert document.attention_name("FLASHINFER") == "FLASHINFER"  # unknown: as recorded
+
+
+# --- the serving path: README's "Use it" and docs/serving.md ------------------------------------
+
+
+def serving_install(project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The line the serving pages give for what :func:`harness.venv.install` runs: the wheel
+    from ``dist/LATEST`` and the same requirements, each override in a ``--override``."""
+    commands: list[list[str]] = []
+    monkeypatch.setattr(venv, "run", lambda cmd, **kwargs: commands.append(list(map(str, cmd))))
+    venv.install(project, tmp_path / "bin" / "python", "WHEEL")
+    (cmd,) = commands
+    requirements = cmd[cmd.index("WHEEL") + 1 :]
+    if "--override" in requirements:
+        requirements = requirements[: requirements.index("--override")]
+    overrides = (tmp_path / "overrides.txt").read_text().split()
+    return " ".join(
+        ["uv pip install", '"$(cat .work/dist/LATEST)"', *map(shlex.quote, requirements)]
+        + [f"--override <(echo {shlex.quote(req)})" for req in overrides]
+    )
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/serving.md"])
+def test_the_serving_pages_install_what_the_harness_installs(page, tmp_path, monkeypatch):
+    project = Project.discover(ROOT, env={})
+    lines = (ROOT / page).read_text().splitlines()
+    assert serving_install(project, tmp_path, monkeypatch) in lines
+    venv_line = (
+        f"uv venv --python {project.pin.python} ~/vllm-series && . ~/vllm-series/bin/activate"
+    )
+    assert venv_line in lines
