@@ -148,14 +148,17 @@ E2E_SUMMARY = "results/e2e-v0.34.0/summary.json"
 #: The e2e profile summary.json was measured with (its model, attention backend).
 WHICH_FLAG_PROFILE = "glm-shape-h200"
 
-#: The rows of README's "Which flag" table: the e2e arm and the flag a user gives for it.
+#: The rows of README's "Which flag" table: the e2e arm and the flag a user gives for it
+#: (``{pool}``: the flag that sized the arm's pool, as its server ran).
 WHICH_FLAG_ARMS = (
     ("resident", "none: every expert on the GPU (reference)"),
     ("uva", "`--cpu-offload-gb` (UVA)"),
     ("prefetch", "`--offload-backend prefetch`"),
-    ("pool", "`--moe-expert-pool-rows {rows}`"),
-    ("pool-host-view", "`--moe-expert-pool-rows {rows} --no-moe-expert-pool-prefill-staging`"),
+    ("pool", "`{pool}`"),
+    ("pool-host-view", "`{pool} --no-moe-expert-pool-prefill-staging`"),
 )
+#: The pool's flag in a row whose server is not in the summary.
+POOL_FLAG_UNKNOWN = "--moe-expert-pool-gb G"
 
 
 ROUTERS = ("skewed", "uniform")
@@ -170,12 +173,12 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
     server kept on the GPU, TTFT (skewed router), sampled decode tok/s per request at
     1 and 32 requests (skewed / uniform) and, under online load at
     :data:`WHICH_FLAG_ONLINE_RATE`, the p99 inter-token latency and the requests served
-    per second; each the newest value (:func:`e2e.newest_cells`)."""
+    per second; each the newest value (:func:`e2e.newest_cells`). What an arm kept
+    on the GPU is all of it, staging included, against the budget
+    (:func:`e2e.gpu_expert_bytes`)."""
     cells = e2e.newest_cells(summary)
     servers, ttft, decode = cells["servers"], cells["ttft"], cells["decode"]
     online = cells["online"]
-    pooled = servers.get(("pool",), {}).get("facts", {}).get("pool_rows_per_layer") or ["N"]
-    rows = f"{pooled[0]:g}" if isinstance(pooled[0], float) else str(pooled[0])
 
     def value(row: Mapping[str, Any] | None, key: str) -> str:
         return "-" if row is None else e2e._sig3(row[key])
@@ -189,12 +192,13 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
             return gib
         if row["holds_budget"]:
             return f"{gib}, budget held"
-        return f"{gib}, {row['cache_gib'] / row['budget_gib'] - 1:.0%} over budget"
+        return f"{gib}, {e2e.over_budget(row):.0%} over budget"
 
     out = []
     for arm, flag in WHICH_FLAG_ARMS:
+        pool = servers.get((arm,), {}).get("pool_flag") or POOL_FLAG_UNKNOWN
         out.append([
-            flag.format(rows=rows),
+            flag.format(pool=pool),
             kept(arm),
             " / ".join(value(ttft.get(("skewed", arm, n)), "ttft_s") for n in (12500, 81600)),
             *(

@@ -109,6 +109,7 @@ class ServerOptions:
     moe_backend: str | None = None
     attention_backend: str | None = None  # e.g. TRITON_ATTN where FlashAttention is missing
     moe_expert_pool_rows: int | None = None
+    moe_expert_pool_gb: float | None = None  # the bank's GiB, staging rows included
     prefill_staging: bool | None = None  # False: --no-moe-expert-pool-prefill-staging
     custom_all_reduce: bool | None = None  # False: --disable-custom-all-reduce
     kv_cache_dtype: str | None = None
@@ -130,6 +131,7 @@ class ServerOptions:
             ("--moe-backend", self.moe_backend),
             ("--attention-backend", self.attention_backend),
             ("--moe-expert-pool-rows", self.moe_expert_pool_rows),
+            ("--moe-expert-pool-gb", self.moe_expert_pool_gb),
             ("--kv-cache-dtype", self.kv_cache_dtype),
             ("--max-model-len", self.max_model_len),
             ("--max-num-seqs", self.max_num_seqs),

@@ -13,7 +13,7 @@ import math
 import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +155,18 @@ def test_each_arm_gets_the_budget_in_its_own_units() -> None:
     profile = e2e.load_profiles()["glm-shape-h200"]
     spec = profile.checkpoint_spec()
     total_gib = checkpoint_routed.expert_bytes(spec) / 2**30
-    pool = e2e.offload_options(profile.arms["pool"], spec, 0.25)
-    assert pool["fields"] == {"moe_expert_pool_rows": 32}
+    # The pool by GiB: the 8.86 GiB budget less its two prefill staging buffers of one
+    # layer's experts each (128 x 6.75 MiB), which the series' -gb does not count.
+    pool = e2e.server_options(profile, profile.arms["pool"], spec, speculative=False)
+    argv = pool.argv()
+    assert argv[argv.index("--moe-expert-pool-gb") + 1] == "7.171"  # 8.859 - 1.688
+    assert "--moe-expert-pool-rows" not in argv
+    facts = e2e.offload_options(profile.arms["pool"], spec, 0.25)
+    assert (facts["moe_expert_pool_gb"], facts["prefill_buffers_gib"]) == (7.171, 1.688)
+    assert "not the prefill staging buffers" in facts["moe_expert_pool_gb_counts"]
+    # Without prefill staging there are no buffers: the whole budget.
+    host_view = e2e.offload_options(profile.arms["pool-host-view"], spec, 0.25)
+    assert host_view["fields"] == {"moe_expert_pool_gb": 8.859, "prefill_staging": False}
     uva = e2e.server_options(profile, profile.arms["uva"], spec, speculative=False)
     gb = float(uva.extra_args[uva.extra_args.index("--cpu-offload-gb") + 1])
     assert abs(gb - 0.75 * total_gib) < 0.01 and "experts" in uva.extra_args
@@ -177,31 +187,39 @@ def _server(arm: str, offload: str, loading: float, **facts: list[float]) -> dic
     }  # fmt: skip
 
 
+def _write_record(
+    folder: Path, name: str, kind: str, data: Mapping[str, Any], server_argv: Sequence[str] = ()
+) -> None:
+    """``folder/name.json``: an e2e result record of ``kind`` with a made-up provenance."""
+    prov: dict[str, Any] = dict.fromkeys(
+        ("command", "date", "host", "gpu", "driver", "cuda", "torch", "python"), "x"
+    )
+    prov.update(base={}, server_argv=list(server_argv))
+    record = {"schema": 1, "kind": kind, "provenance": prov, "data": data}
+    (folder / f"{name}.json").write_text(json.dumps(record))
+
+
 def test_summary_tells_an_arm_that_holds_the_budget_from_one_that_does_not(
     tmp_path: Path,
 ) -> None:
-    prov = {k: "x" for k in ("command", "date", "host", "gpu", "driver", "cuda", "torch", "python")}
-    prov["base"] = {}
     # As measured on the H200: the pool's bank of 32 rows x 42 layers + 64 step rows and
-    # two 0.84 GiB prefill buffers; UVA after Marlin's repack kept every expert on the GPU.
+    # two 0.84 GiB prefill buffers (11.0 GiB of experts on the GPU, 24% over the budget:
+    # the staging counts); UVA on 0.34.0 kept 8.84 GiB.
     records = {
         "server-pool": _server("pool", "pool", 11.9, pool_bank_gib=[9.28],
                                pool_rows_per_layer=[32], pool_staging_buffers=[2],
                                pool_staging_buffer_gib=[0.84]),
-        "server-uva": _server("uva", "uva", 36.37, uva_offloaded_gib=[26.66]),
+        "server-uva": _server("uva", "uva", 9.72, uva_offloaded_gib=[26.66]),
     }  # fmt: skip
     for name, data in records.items():
-        record = {"schema": 1, "kind": "e2e-server", "provenance": prov, "data": data}
-        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+        _write_record(tmp_path, name, "e2e-server", data)
     decode = {**records["server-pool"], "concurrency": 32, "output_len": 256,
               "outcome": "ok", "summary": {"decode_tok_s": 93.9},
               "pool_metrics": {"hit_rate": 0.8}}  # fmt: skip
-    (tmp_path / "decode.json").write_text(
-        json.dumps({"schema": 1, "kind": "e2e-decode", "provenance": prov, "data": decode})
-    )
+    _write_record(tmp_path, "decode", "e2e-decode", decode)
     summary = e2e.summarize(tmp_path)
     holds = {s["arm"]: s["holds_budget"] for s in summary["servers"]}
-    assert holds == {"pool": True, "uva": False}
+    assert holds == {"pool": False, "uva": True}
     assert summary["decode"] == [{
         "arm": "pool", "router": "skewed", "outcome": "ok", "concurrency": 32,
         "spec_tokens": 0, "output_len": 256, "temperature": 0.0, "tok_s": 93.9,
@@ -438,14 +456,27 @@ def test_gpu_expert_bytes_of_each_arm_from_its_log_lines() -> None:
     pool = e2e.gpu_expert_bytes(_facts(
         "pool", model_loading_gib=[12.32], pool_bank_gib=[9.7], pool_rows_per_layer=[32.0],
         pool_staging_buffers=[2.0], pool_staging_buffer_gib=[0.84]), spec)  # fmt: skip
+    # Its 32 rows per layer are the budget; its staging rows and prefill buffers are on
+    # top of it, and count: 11.44 GiB is 29% over the budget, not held.
     assert pool["staging_gib"] == pytest.approx(2.52, abs=0.01)
-    assert pool["cache_gib"] == pytest.approx(8.92, abs=0.01) and pool["holds_budget"]
+    assert pool["expert_gib_on_gpu"] == pytest.approx(11.44, abs=0.01)
+    assert e2e.over_budget(pool) == pytest.approx(0.29, abs=0.005)
+    assert pool["holds_budget"] is False and "cache_gib" not in pool
     # The prefetch offloader's buffer comes after the loading line: on top of it.
     prefetch = e2e.gpu_expert_bytes(_facts(
         "prefetch", model_loading_gib=[10.21], prefetch_buffer_gb=[0.906]), spec)  # fmt: skip
     assert prefetch["expert_gib_on_gpu"] == pytest.approx(10.17, abs=0.01)
-    assert prefetch["cache_gib"] == pytest.approx(9.33, abs=0.01)  # 11 of 42 layers
-    assert prefetch["holds_budget"] is False  # 5.3% over, in its favour
+    assert prefetch["staging_gib"] == pytest.approx(0.84, abs=0.01)
+    assert prefetch["holds_budget"] is False  # 15% over with its buffer
+    # A pool whose bank (23 rows per layer and 128 staging rows) and buffers come within
+    # 2% of the budget holds it: 8.90 GiB, 0.5% over.
+    sized = e2e.gpu_expert_bytes(_facts(
+        "pool", model_loading_gib=[9.78], pool_bank_gib=[7.21], pool_rows_per_layer=[23.0],
+        pool_staging_buffers=[2.0], pool_staging_buffer_gib=[0.84]), spec)  # fmt: skip
+    assert sized["holds_budget"] and sized["staging_gib"] == pytest.approx(2.52, abs=0.01)
+    # UVA's 8.84 GiB, no staging, is the budget less 0.2%: held.
+    uva = e2e.gpu_expert_bytes(_facts("uva", model_loading_gib=[9.72]), spec)
+    assert uva["holds_budget"] and e2e.over_budget(uva) == pytest.approx(-0.002, abs=0.001)
     resident = e2e.gpu_expert_bytes(_facts("none", model_loading_gib=[36.37]), spec)
     assert resident["holds_budget"] is None
     assert e2e.gpu_expert_bytes(_facts("uva"), spec)["expert_gib_on_gpu"] is None
@@ -779,7 +810,7 @@ def test_a_server_that_does_not_start_is_a_result(
     server = json.loads((out / "server-skewed-pool.json").read_text())["data"]
     assert server["outcome"] == "does not run"
     assert "use --moe-expert-pool-rows <= 193" in server["exception"]
-    assert "--moe-expert-pool-rows" in " ".join(
+    assert "--moe-expert-pool-gb" in " ".join(
         json.loads((out / "server-skewed-pool.json").read_text())["provenance"]["server_argv"]
     )
     assert e2e.summarize(out)["not_measured"] == [
@@ -799,6 +830,47 @@ def test_the_attention_backend_each_server_used_comes_from_its_log() -> None:
     assert e2e.attention_backend("INFO nothing about attention\n") == "not logged"
 
 
+def test_which_flag_counts_everything_on_the_gpu_against_the_budget(tmp_path: Path) -> None:
+    """Run 28's servers (run 26's UVA): the pool's 11.45 GiB (32 rows per layer, 128
+    staging rows, two prefill buffers) is 29% over the 8.86 GiB budget and the prefetch
+    offloader's 10.18 GiB, its buffer included, 15%; only UVA's 8.84 GiB holds it. Each
+    pool row names the flag its server ran: an older run's rows, a newer run's GiB."""
+    run = tmp_path / "2026-12-03-run28"
+    run.mkdir()
+    serve = ["vllm", "serve", "ckpt", "--moe-backend", "marlin"]
+    servers = {
+        "resident": (_server("resident", "none", 36.38), serve),
+        "uva": (_server("uva", "uva", 9.72, uva_offloaded_gib=[26.66]),
+                [*serve, "--cpu-offload-gb", "26.578"]),
+        "prefetch": (_server("prefetch", "prefetch", 10.22, prefetch_buffer_gb=[0.906]),
+                     [*serve, "--offload-backend", "prefetch"]),
+        "pool": (_server("pool", "pool", 12.33, pool_bank_gib=[9.7],
+                         pool_rows_per_layer=[32.0], pool_staging_buffers=[2.0],
+                         pool_staging_buffer_gib=[0.84]),
+                 [*serve, "--moe-expert-pool-rows", "32"]),
+        # --moe-expert-pool-gb 8.859 without staging: 28 rows per layer, 3.0% under.
+        "pool-host-view": (_server("pool-host-view", "pool", 9.47, pool_bank_gib=[8.59],
+                                   pool_rows_per_layer=[28.0]),
+                           [*serve, "--moe-expert-pool-gb", "8.859",
+                            "--no-moe-expert-pool-prefill-staging"]),
+    }  # fmt: skip
+    for arm, (data, argv) in servers.items():
+        _write_record(run, f"server-skewed-{arm}", "e2e-server", data, argv)
+    summary = e2e.summarize_runs([run])
+    kept = {row[0]: row[1] for row in document.which_flag_cells(summary)}
+    assert kept == {
+        "none: every expert on the GPU (reference)": "35.5 GiB",
+        "`--cpu-offload-gb` (UVA)": "8.8 GiB, budget held",
+        "`--offload-backend prefetch`": "10.2 GiB, 15% over budget",
+        "`--moe-expert-pool-rows 32`": "11.4 GiB, 29% over budget",
+        "`--moe-expert-pool-gb 8.859 --no-moe-expert-pool-prefill-staging`":
+            "8.6 GiB, budget held",
+    }  # fmt: skip
+    matrix = e2e.matrix_markdown(summary)
+    assert "| pool | 11.45 GiB | 2.52 GiB | no (+29.2%) |" in matrix
+    assert "| uva | 8.84 GiB | 0.00 GiB | yes (-0.2%) |" in matrix
+
+
 def test_which_flag_shows_the_online_rate_it_names_and_no_other() -> None:
     summary = _three_run_summary()
     online = {"router": "skewed", "run": "2026-01-02-run2-b", "series_hash": "h2",
@@ -810,7 +882,7 @@ def test_which_flag_shows_the_online_rate_it_names_and_no_other() -> None:
          "outcome": "cut"},  # not completed: not shown
     ]  # fmt: skip
     rows = {row[0]: row for row in document.which_flag_cells(summary)}
-    pool = next(flag for flag in rows if flag.startswith("`--moe-expert-pool-rows"))
+    pool = next(flag for flag in rows if flag == f"`{document.POOL_FLAG_UNKNOWN}`")
     assert rows[pool][-1] == "542 / 0.248"
     assert rows["`--cpu-offload-gb` (UVA)"][-1] == "-"
     assert rows["none: every expert on the GPU (reference)"][-1] == "-"

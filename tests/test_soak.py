@@ -309,8 +309,8 @@ def test_the_dry_run_prints_servers_churn_bad_requests_shutdown_and_faults(
     assert main(["replay", "soak", "--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     serves = [line for line in out.splitlines() if " serve " in line]
-    assert len(serves) == 2 and "--moe-expert-pool-rows 32" in serves[0]
-    assert "--moe-expert-pool-rows" not in serves[1]
+    assert len(serves) == 2 and "--moe-expert-pool-gb 7.171" in serves[0]
+    assert "--moe-expert-pool-gb" not in serves[1]
     assert "# churn: 48 clients for 150 s" in out and "# shutdown: 4 streaming" in out
     assert all(f"#   {name} (" in out for name in soak.BAD_REQUESTS)
     assert '"max_tokens": 90113' in out  # past the profile's context of 90112
