@@ -264,39 +264,22 @@ def prefetch_layout(layers: int, budget: float) -> tuple[int, int, int]:
     return best[2], best[3], best[4]
 
 
-#: The prefill staging buffers the pool allocates besides its bank when prefill staging
-#: is on (series 0004), each the size of one layer's experts.
-PREFILL_STAGING_BUFFERS = 2
-
-
 def offload_options(arm: Arm, spec: checkpoint.Spec, budget: float) -> dict[str, Any]:
     """``ServerOptions`` fields and facts that put ``budget`` of the expert bytes on the GPU.
 
-    The pool gets ``--moe-expert-pool-gb`` (rounded down to 0.001 GiB), so that
-    everything it keeps on the GPU fits the budget. The series' ``-gb`` counts the
-    bank and its staging rows but not the prefill staging buffers, so the pool's
-    ``-gb`` is the budget less their bytes; once the series counts them itself,
-    ``buffers`` here is 0. The record's facts say so.
+    The pool gets ``--moe-expert-pool-gb`` (rounded down to 0.001 GiB), which counts
+    everything it keeps on the GPU: its bank, staging rows included, and with prefill
+    staging on the two prefill staging buffers (series 0004).
     """
     total = checkpoint_routed.expert_bytes(spec)
     if arm.offload == "none":
         return {"fields": {}, "resident_expert_fraction": 1.0}
     if arm.offload == "pool":
-        buffers = 0
-        if arm.prefill_staging is not False:  # on unless the arm turns it off
-            layer = spec.experts * checkpoint_routed.bytes_per_expert(spec)
-            buffers = PREFILL_STAGING_BUFFERS * layer
-        gib = math.floor((budget * total - buffers) / 2**30 * 1000) / 1000
+        gib = math.floor(budget * total / 2**30 * 1000) / 1000
         fields: dict[str, Any] = {"moe_expert_pool_gb": gib}
         if arm.prefill_staging is not None:
             fields["prefill_staging"] = arm.prefill_staging
-        return {
-            "fields": fields,
-            "moe_expert_pool_gb": gib,
-            "prefill_buffers_gib": round(buffers / 2**30, 3),
-            "moe_expert_pool_gb_counts": "the bank and its staging rows, not the prefill "
-            "staging buffers: the budget less prefill_buffers_gib",
-        }
+        return {"fields": fields, "moe_expert_pool_gb": gib}
     if arm.offload == "uva":
         gib = round((1 - budget) * total / 2**30, 3)
         return {

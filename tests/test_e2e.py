@@ -155,16 +155,13 @@ def test_each_arm_gets_the_budget_in_its_own_units() -> None:
     profile = e2e.load_profiles()["glm-shape-h200"]
     spec = profile.checkpoint_spec()
     total_gib = checkpoint_routed.expert_bytes(spec) / 2**30
-    # The pool by GiB: the 8.86 GiB budget less its two prefill staging buffers of one
-    # layer's experts each (128 x 6.75 MiB), which the series' -gb does not count.
+    # The pool by GiB: the 8.86 GiB budget, which the series' -gb spends on the bank,
+    # its staging rows and the prefill staging buffers together.
     pool = e2e.server_options(profile, profile.arms["pool"], spec, speculative=False)
     argv = pool.argv()
-    assert argv[argv.index("--moe-expert-pool-gb") + 1] == "7.171"  # 8.859 - 1.688
+    assert argv[argv.index("--moe-expert-pool-gb") + 1] == "8.859"
     assert "--moe-expert-pool-rows" not in argv
-    facts = e2e.offload_options(profile.arms["pool"], spec, 0.25)
-    assert (facts["moe_expert_pool_gb"], facts["prefill_buffers_gib"]) == (7.171, 1.688)
-    assert "not the prefill staging buffers" in facts["moe_expert_pool_gb_counts"]
-    # Without prefill staging there are no buffers: the whole budget.
+    assert e2e.offload_options(profile.arms["pool"], spec, 0.25)["moe_expert_pool_gb"] == 8.859
     host_view = e2e.offload_options(profile.arms["pool-host-view"], spec, 0.25)
     assert host_view["fields"] == {"moe_expert_pool_gb": 8.859, "prefill_staging": False}
     uva = e2e.server_options(profile, profile.arms["uva"], spec, speculative=False)

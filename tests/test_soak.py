@@ -309,7 +309,7 @@ def test_the_dry_run_prints_servers_churn_bad_requests_shutdown_and_faults(
     assert main(["replay", "soak", "--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     serves = [line for line in out.splitlines() if " serve " in line]
-    assert len(serves) == 2 and "--moe-expert-pool-gb 7.171" in serves[0]
+    assert len(serves) == 2 and "--moe-expert-pool-gb 8.859" in serves[0]
     assert "--moe-expert-pool-gb" not in serves[1]
     assert "# churn: 48 clients for 150 s" in out and "# shutdown: 4 streaming" in out
     assert all(f"#   {name} (" in out for name in soak.BAD_REQUESTS)
