@@ -1165,8 +1165,8 @@ def matrix_markdown(summary: Mapping[str, Any], source: str = "results/e2e") -> 
         "## What each arm's server kept on the GPU (vLLM's log)",
         "",
         f"Budget: {budget} GiB of the expert bytes; an arm holds it when everything it",
-        f"keeps of the experts on the GPU, staging included, is within {BUDGET_TOLERANCE:.0%} "
-        "of it.",
+        "keeps of the experts on the GPU, staging included, is at most "
+        f"{BUDGET_TOLERANCE:.0%} above it.",
         "",
         *table(["arm", "experts on the GPU", "of which staging", "held, against the budget"],
                kept),

@@ -109,7 +109,7 @@ class ServerOptions:
     moe_backend: str | None = None
     attention_backend: str | None = None  # e.g. TRITON_ATTN where FlashAttention is missing
     moe_expert_pool_rows: int | None = None
-    moe_expert_pool_gb: float | None = None  # the bank's GiB, staging rows included
+    moe_expert_pool_gb: float | None = None  # all the pool keeps on the GPU, in GiB
     prefill_staging: bool | None = None  # False: --no-moe-expert-pool-prefill-staging
     custom_all_reduce: bool | None = None  # False: --disable-custom-all-reduce
     kv_cache_dtype: str | None = None
