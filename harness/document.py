@@ -50,6 +50,10 @@ def render_commits(project: Project) -> str:
             if not note.requires
             else "base + " + ", ".join(f"{i:04d}" for i in note.requires)
         )
+        if note.stack:
+            stack = [p.name for p in patches if notes[p.name].stack == note.stack]
+            place = f"commit {stack.index(patch.name) + 1} of {len(stack)}"
+            on += f"; {place} of the {note.stack} stack"
         tests = ", ".join(f"`{t}`" for t in patch_tests(patch)) or "none"
         evidence = ", ".join(f"[{e}]({e})" for e in note.evidence) or "none yet"
         out.append(
@@ -141,6 +145,11 @@ def render_matrix(project: Project) -> str:
             for patch, alone in run.get("alone", {}).items():
                 steps = "; ".join(f"{name} {_step_cell(alone[name])}" for name in alone)
                 lines.append(f"  - {patch[:4]} alone on the bare base: {steps}")
+            for patch, prefix in run.get("prefixes", {}).items():
+                steps = "; ".join(f"{name} {_step_cell(prefix[name])}" for name in prefix
+                                  if name != "own")  # fmt: skip
+                own = _step_cell(prefix["own"])
+                lines.append(f"  - the series up to {patch[:4]}: {steps}; its own tests {own}")
     return "\n".join(lines) + "\n"
 
 

@@ -20,7 +20,9 @@ cell gains a ``build`` and a ``test`` entry: ``passed``, ``failed`` (with the
 first failing test, or the build's error), or ``not run`` with the reason
 (the patch did not apply, or the series stops earlier on that release). Where
 the series stops, a later commit that stands on the bare base and applies alone
-is built and tested alone on it instead. The
+is built and tested alone on it instead. On the base the series is made on,
+each prefix that ends at a commit of a stack (``stack`` in the commit's note)
+is first applied, built and tested on its own (:func:`run_prefixes`). The
 build is one wheel per release, so its time is the release's; a cell's test
 time is the sum of its own test files' cases. The JSON lands in
 ``results/matrix.json`` and SERIES.md renders it.
@@ -131,7 +133,9 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     patches = series_files(project.series_for(version))
     stop = next((p for p in patches if cells[p.name]["outcome"] not in APPLIED), None)
     if stop is None:
-        return _run_group(project, version, cells)
+        prefixes = run_prefixes(project, version) if version == project.pin.release.version else {}
+        run = _run_group(project, version, cells)
+        return run | {"prefixes": prefixes} if prefixes else run
     reason = f"the series stops at {stop.name[:4]} on this release"
     for patch in patches:
         applied = cells[patch.name]["outcome"] in APPLIED
@@ -146,13 +150,36 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     return run
 
 
+def run_prefixes(project: Project, version: str) -> dict[str, dict[str, Any]]:
+    """Each prefix of the series that ends at a commit of a stack (``stack`` in its note),
+    applied, built and tested alone on the base of ``version``: ``{last patch: steps}``.
+
+    A stack's commits are reviewed, and may be cherry-picked, one at a time, so each
+    must build and pass the tests with only the commits before it. The steps are
+    :func:`_run_group`'s, plus ``own``: the result of the last commit's own tests.
+    The series' last commit is left out: the full run is that prefix. Run before the
+    full run, which then leaves the release's tree as the whole series.
+    """
+    patches = series_files(project.series_for(version))
+    notes = load_notes(project.series_for(version))
+    out: dict[str, dict[str, Any]] = {}
+    for i, patch in enumerate(patches[:-1]):
+        if notes[patch.name].stack:
+            scratch: dict[str, dict[str, Any]] = {p.name: {} for p in patches[: i + 1]}
+            steps = _run_group(project, version, scratch, patches[: i + 1], label="prefix")
+            out[patch.name] = steps | {"own": scratch[patch.name]["test"]}
+    return out
+
+
 def failures(data: dict[str, Any]) -> list[str]:
-    """The failed steps of a matrix run, e.g. ``0.32.0 test`` or ``0.31.0 0005 alone build``."""
+    """The failed steps of a matrix run, e.g. ``0.32.0 test``, ``0.31.0 0005 alone build``
+    or ``0.34.0 prefix to 0003 own``."""
     out = []
     for version, run in data.get("runs", {}).items():
         groups = [("", run)] + [(f" {p[:4]} alone", r) for p, r in run.get("alone", {}).items()]
+        groups += [(f" prefix to {p[:4]}", r) for p, r in run.get("prefixes", {}).items()]
         for label, steps in groups:
-            out += [f"{version}{label} {step}" for step in ("apply", "build", "test")
+            out += [f"{version}{label} {step}" for step in ("apply", "build", "test", "own")
                     if steps.get(step, {}).get("result") == "failed"]  # fmt: skip
     return out
 
@@ -162,9 +189,11 @@ def _run_group(
     version: str,
     cells: dict[str, dict[str, Any]],
     only: Sequence[Path] | None = None,
+    label: str = "alone",
 ) -> dict[str, Any]:
-    """Apply the whole series (or ``only`` those patches, alone on the base), build and
-    test; fill the applied patches' cells and return the run's steps."""
+    """Apply the whole series (or ``only`` those patches, alone on the base: a commit
+    ``"alone"`` or a ``"prefix"``), build and test; fill the applied patches' cells and
+    return the run's steps."""
     release = project.for_release(version)
     patches = list(only) if only else series_files(release)
     steps: list[tuple[str, Callable[[], object]]] = [
@@ -172,14 +201,14 @@ def _run_group(
         ("build", lambda: build.build(release, stock_kernels=True)),
         ("test", lambda: test.run_tests(release)),
     ]
-    label = f"{version} ({only[0].name[:4]} alone)" if only else version
+    title = f"{version} ({only[-1].name[:4]} {label})" if only else version
     run: dict[str, Any] = {}
     report: test.TestReport | None = None
     for name, step in steps:
         if any(r["result"] != "passed" for r in run.values()):
             run[name] = _not_run(f"{list(run)[-1]} failed")
             continue
-        progress(f"{label}: {name}")
+        progress(f"{title}: {name}")
         started = time.monotonic()
         try:
             outcome = step()
@@ -204,7 +233,7 @@ def _run_group(
     for patch in patches:
         build_cell = {k: run["build"][k] for k in ("result", "detail")}
         if only and build_cell["result"] == "passed":
-            build_cell["detail"] = "alone on the base"
+            build_cell["detail"] = f"{label} on the base"
         build_cell["seconds"] = run["build"]["seconds"]
         cells[patch.name] |= {"build": build_cell, "test": per_test[patch.name]}
     return run

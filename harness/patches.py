@@ -33,6 +33,9 @@ class Note:
     requires: tuple[int, ...]
     upstream: str
     evidence: tuple[str, ...]
+    #: The stack the commit belongs to (commits a reviewer reads one at a time, each of
+    #: which must build and pass its tests with only the commits before it), or "".
+    stack: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +122,7 @@ def load_notes(project: Project) -> dict[str, Note]:
             requires=tuple(e.get("requires", ())),
             upstream=e["upstream"],
             evidence=tuple(e.get("evidence", ())),
+            stack=e.get("stack", ""),
         )
         for e in entries
     }

@@ -243,3 +243,45 @@ def test_the_matrix_command_takes_test(flag: list[str]) -> None:
     from harness import __main__ as cli
 
     assert cli.parse(["matrix", *flag]).test is bool(flag)
+
+
+def test_each_prefix_of_a_stack_is_built_and_tested_alone_on_the_base(
+    project, commit, monkeypatch
+) -> None:
+    _two_patches(project, commit)
+    notes = project.patches / "notes.toml"
+    notes.write_text(notes.read_text().replace('why = "a"\n', 'why = "a"\nstack = "s"\n'))
+    built: list[list[str]] = []
+
+    def fake_build(release: Project, *, stock_kernels: bool) -> None:
+        built.append(git(release.tree, "log", "--format=%s", "-3").stdout.split("\n")[:-1])
+
+    monkeypatch.setattr(build, "build", fake_build)
+    monkeypatch.setattr(test, "run_tests", _one_passing_test)
+    cells = matrix.classify(project, project.pin.release)
+    run = matrix.run_release(project, project.pin.release.version, cells)
+    # the prefix (0001 alone) first, then the whole series, which the tree is left at
+    assert built == [
+        ["[Core] Change value", "vLLM 1.0.0 from its sdist"],
+        ["[Core] Change layer", "[Core] Change value", "vLLM 1.0.0 from its sdist"],
+    ]
+    prefix = run["prefixes"]["0001-Core-Change-value.patch"]
+    assert [prefix[s]["result"] for s in ("apply", "build", "test")] == ["passed"] * 3
+    assert prefix["own"]["result"] == "no tests"
+    # the full run's cells are the full run's
+    assert cells["0001-Core-Change-value.patch"]["build"]["detail"] == ""
+    data = {
+        "versions": ["1.0.0"],
+        "runs": {"1.0.0": run},
+        "rows": [{"patch": n, "cells": {"1.0.0": c}} for n, c in cells.items()],
+    }
+    record = {"schema": 1, "kind": "revision-matrix", "data": data,
+              "provenance": {"command": "nox -s matrix -- --test", "date": "2026-12-01",
+                             "series_hash": "x"}}  # fmt: skip
+    (project.results / "matrix.json").parent.mkdir(parents=True, exist_ok=True)
+    (project.results / "matrix.json").write_text(json.dumps(record))
+    assert "  - the series up to 0001: apply passed" in document.render_matrix(project)
+    assert "bare base; commit 1 of 1 of the s stack" in document.render_commits(project)
+    assert matrix.failures(data) == []
+    prefix["own"] = {"result": "failed", "detail": "tests/test_layer.py::test_x"}
+    assert matrix.failures(data) == ["1.0.0 prefix to 0001 own"]
