@@ -403,7 +403,89 @@ def parser() -> argparse.ArgumentParser:
         "`nox -s lint` then try the new versions before the lock is committed)",
     )
     _add_replay_commands(add)
+    _add_bank_sim_command(add)
     return top
+
+
+def _add_bank_sim_command(add: Callable[[str, Handler, str], argparse.ArgumentParser]) -> None:
+    """``bank-sim``: see harness/bank_sim.py."""
+    bs = add(
+        "bank-sim",
+        _cmd_bank_sim,
+        "simulate the expert pool's bank on the CPU (L layers of R placement rows in one global "
+        "LRU; per layer step, hits refresh their rows, up to top_k misses, most-routed first, "
+        "are promoted into a row of any layer, the rest staged; every miss copies one row) and "
+        "compare admission/eviction policies: promote-on-miss (today's planner), second-miss, "
+        "frequency (TinyLFU-style admission), lfru (frequency-aware LRU eviction). The route "
+        "traces (skewed, uniform, drifting) are SYNTHETIC, drawn from the router's distribution, "
+        "not recorded from a served run. Writes OUT/bank-sim.json (with provenance) and prints "
+        "hit rates, misses per step and misses relative to promote-on-miss; nothing about GPU "
+        "time (harness/bank_sim.py)",
+    )
+    bs.add_argument("--rows", type=_ints, default=[22, 32], help="rows per layer (default 22,32)")
+    bs.add_argument(
+        "--tokens",
+        type=_ints,
+        default=[1, 8],
+        help="tokens per decode step: 1 = one request decoding, 8 = eight (default 1,8)",
+    )
+    bs.add_argument(
+        "--steps",
+        type=int,
+        default=5000,
+        help="decode steps per trace (default 5000; the first 20%% are warm-up)",
+    )
+    bs.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    bs.add_argument("--layers", type=int, default=42, help="pooled layers (default 42)")
+    bs.add_argument("--experts", type=int, default=128, help="experts per layer (default 128)")
+    bs.add_argument("--top-k", type=int, default=8, help="experts per token (default 8)")
+    bs.add_argument(
+        "--drift-every",
+        type=int,
+        default=300,
+        help="drifting trace: steps between redraws of each layer's popularity (default 300)",
+    )
+    bs.add_argument(
+        "--policy",
+        action="append",
+        dest="policies",
+        metavar="NAME[:KEY=VALUE...]",
+        help="a policy to run, repeatable (default: promote-on-miss, second-miss, frequency, "
+        "lfru with their defaults; promote-on-miss always runs, as the reference); parameters: "
+        "second-miss:window=STEPS (200), frequency:half_life=STEPS (100), "
+        "lfru:half_life=STEPS:candidates=ROWS (100, 32)",
+    )
+    bs.add_argument("--out", type=_path, help="result folder (default results/bank-sim/)")
+
+
+def _cmd_bank_sim(project: Project, args: argparse.Namespace) -> int:
+    from harness import bank_sim
+
+    out = args.out or project.results / "bank-sim"
+    policies = args.policies or list(bank_sim.POLICIES)
+    try:
+        for spec in policies:
+            bank_sim.make_policy(spec)
+    except ValueError as exc:
+        raise HarnessError(str(exc)) from exc
+    shown = os.path.relpath(out, project.root) if out.is_relative_to(project.root) else str(out)
+    argv = [  # every setting spelled out, so the recorded command reproduces the run
+        "bank-sim", "--rows", ",".join(map(str, args.rows)),
+        "--tokens", ",".join(map(str, args.tokens)), "--steps", str(args.steps),
+        "--seed", str(args.seed), "--layers", str(args.layers), "--experts", str(args.experts),
+        "--top-k", str(args.top_k), "--drift-every", str(args.drift_every),
+        *[f"--policy={spec}" for spec in policies], "--out", shown,
+    ]  # fmt: skip
+    try:
+        return bank_sim.main(
+            out,
+            argv=argv,
+            rows=args.rows, tokens=args.tokens, steps=args.steps, seed=args.seed,
+            layers=args.layers, experts=args.experts, top_k=args.top_k,
+            drift_every=args.drift_every, policies=policies,
+        )  # fmt: skip
+    except ValueError as exc:  # a trace or bank that cannot be (top_k above experts, ...)
+        raise HarnessError(str(exc)) from exc
 
 
 def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentParser]) -> None:
@@ -659,6 +741,10 @@ def _cmd_selftest(project: Project, args: argparse.Namespace) -> int:
 
 def _csv(value: str) -> list[str]:
     return [item for item in value.split(",") if item]
+
+
+def _ints(value: str) -> list[int]:
+    return [int(item) for item in _csv(value)]
 
 
 def _path(value: str) -> Path:

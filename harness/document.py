@@ -177,10 +177,20 @@ ROUTERS = ("skewed", "uniform")
 WHICH_FLAG_ONLINE_RATE = 0.3
 
 
+def _host_rows(summary: dict[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Per arm, its newest plain server row (by its run's date) that measured what the
+    server took of the host's memory (``host_gib_taken``, :func:`e2e.host_taken`); rows
+    of runs from before servers measured it lack the field and are passed over."""
+    rows = [((r["arm"],), r) for r in summary["servers"]
+            if not r.get("spec_tokens") and r.get("host_gib_taken") is not None]  # fmt: skip
+    return {arm: row for (arm,), row in e2e._newest(rows, summary.get("runs", {})).items()}
+
+
 def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
     """README's "Which flag" rows from :data:`E2E_SUMMARY`: per arm, what its
-    server kept on the GPU, TTFT (skewed router), sampled decode tok/s per request at
-    1 and 32 requests (skewed / uniform) and, under online load at
+    server kept on the GPU, the host memory it took (``-`` where none of its servers
+    measured it: :func:`_host_rows`), TTFT (skewed router), sampled decode tok/s per
+    request at 1 and 32 requests (skewed / uniform) and, under online load at
     :data:`WHICH_FLAG_ONLINE_RATE`, the p99 inter-token latency and the requests served
     per second; each the newest value (:func:`e2e.newest_cells`). What an arm kept
     on the GPU is all of it, staging included, against the budget
@@ -188,9 +198,14 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
     cells = e2e.newest_cells(summary)
     servers, ttft, decode = cells["servers"], cells["ttft"], cells["decode"]
     online = cells["online"]
+    host = _host_rows(summary)
 
     def value(row: Mapping[str, Any] | None, key: str) -> str:
         return "-" if row is None else e2e._sig3(row[key])
+
+    def host_gib(arm: str) -> str:
+        row = host.get(arm)
+        return "-" if row is None else f"{row['host_gib_taken']:.1f}"
 
     def kept(arm: str) -> str:
         row = servers.get((arm,))
@@ -209,6 +224,7 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
         out.append([
             flag.format(pool=pool),
             kept(arm),
+            host_gib(arm),
             " / ".join(value(ttft.get(("skewed", arm, n)), "ttft_s") for n in (12500, 81600)),
             *(
                 " / ".join(value(decode.get((r, arm, 0, c)), "tok_s") for r in ROUTERS)
@@ -227,6 +243,7 @@ def _shown_rows(summary: dict[str, Any]) -> list[Mapping[str, Any]]:
     arms = {arm for arm, _ in WHICH_FLAG_ARMS}
     return [
         *(r for (arm,), r in cells["servers"].items() if arm in arms),
+        *(r for arm, r in _host_rows(summary).items() if arm in arms),
         *(r for (router, arm, _), r in cells["ttft"].items() if router == "skewed" and arm in arms),
         *(r for (_, arm, spec, c), r in cells["decode"].items()
           if arm in arms and not spec and c in (1, 32)),
@@ -284,6 +301,7 @@ def render_which_flag(project: Project) -> str:
     head = [
         "flag",
         "experts on the GPU",
+        "host RAM taken, GiB",
         "TTFT 12.5K / 81.6K tokens, s",
         "decode, 1 request, tok/s (skewed / uniform)",
         "decode, 32 requests, tok/s per request (skewed / uniform)",
@@ -305,7 +323,10 @@ def render_which_flag(project: Project) -> str:
         f"arrivals for {profile.measure.online_duration_s:g} s, inputs of "
         f"{'-'.join(map(str, profile.measure.online_input_lens))} and outputs of "
         f"{'-'.join(map(str, profile.measure.online_output_lens))} tokens; "
-        f"`python -m harness replay e2e --profile {WHICH_FLAG_PROFILE}`.",
+        f"`python -m harness replay e2e --profile {WHICH_FLAG_PROFILE}`. "
+        "Host RAM taken is the host memory in use system-wide (MemTotal - MemAvailable of "
+        "/proc/meminfo) once the server is healthy, less that just before it started: it "
+        "includes pinned pages and the server's own memory.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -328,7 +349,7 @@ GUIDE_PROJECT_ONLY = "<!-- project-only: not part of vLLM's page -->"
 
 
 def guide_for_vllm(text: str) -> str:
-    """:data:`GUIDE`'s text without its project-only tail: the page 0001 carries."""
+    """:data:`GUIDE`'s text without its project-only tail: the page the series carries."""
     return text.split(GUIDE_PROJECT_ONLY, 1)[0].rstrip() + "\n"
 
 
@@ -349,7 +370,8 @@ def guide_drift(project: Project) -> list[str]:
     )
     return [
         f"{GUIDE} and the tree's {GUIDE_IN_TREE} differ from line {line + 1}: copy the page "
-        f"into 0001 (everything above {GUIDE_PROJECT_ONLY!r}) or bring the change back"
+        f"into the series' guide commit (everything above {GUIDE_PROJECT_ONLY!r}) or bring "
+        "the change back"
     ]
 
 

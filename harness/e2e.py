@@ -38,6 +38,10 @@ resolved in its favour). Each server's log gives what it really holds (vLLM's
 model-loading and KV-cache lines, the pool's bank and staging lines, the
 offloaders' own lines): :func:`server_facts` records them, and
 :func:`gpu_expert_bytes` compares all of it, staging included, with the budget.
+What each server took of the host's memory, the first thing a user of an offloader
+runs out of (UVA and the pool pin it), is read the same way for every arm: memory in
+use system-wide just before the server starts and once it is healthy
+(:func:`host_taken`).
 
 **An arm that does not start is a result**: its server record says "does not
 run", with the exception from the log and the flags it was given, and the
@@ -98,12 +102,12 @@ FACTS = {
     "prefetch_layers": re.compile(r"\[PrefetchOffloader\] Initialized (\d+) modules"),
 }
 
-#: The pool's periodic counter line (one window since the previous line; series 0001).
+#: The pool's periodic counter line (one window since the previous line; series 0005).
 POOL_WINDOW = re.compile(
     r"Expert pool: hit rate [\d.]+% \(lowest layer [\d.]+%\), (\d+) hits, (\d+) misses, "
     r"(\d+) promotions, [\d.]+ GiB copied in the last ([\d.]+) s"
 )
-#: The lifetime staging total the same line ends with (prefill staging, 0004).
+#: The lifetime staging total the same line ends with (prefill staging, 0009).
 POOL_STAGED = re.compile(r"([\d.]+) GiB staged for (\d+) prefill steps")
 
 
@@ -269,7 +273,7 @@ def offload_options(arm: Arm, spec: checkpoint.Spec, budget: float) -> dict[str,
 
     The pool gets ``--moe-expert-pool-gb`` (rounded down to 0.001 GiB), which counts
     everything it keeps on the GPU: its bank, staging rows included, and with prefill
-    staging on the two prefill staging buffers (series 0004).
+    staging on the two prefill staging buffers (series 0009).
     """
     total = checkpoint_routed.expert_bytes(spec)
     if arm.offload == "none":
@@ -378,6 +382,25 @@ def attention_backend(log_text: str) -> str:
     return str(found[-1]) + (f" (FA{version[-1]})" if version else "")
 
 
+#: A server record's host-memory fields (:func:`host_taken`), copied to its summary row;
+#: records written before servers measured it lack them (not measured).
+HOST_FIELDS = ("host_used_before_start", "host_used_healthy", "host_gib_taken")
+
+
+def host_taken(before: int | None, healthy: int | None) -> dict[str, Any]:
+    """What a server took of the host's memory: the system-wide bytes in use
+    (:func:`harness.replay.host_used_bytes`, ``MemTotal - MemAvailable``, pinned pages
+    included) just before its process started and once it answered ``/health`` (model
+    loaded, before any bench), and their difference in GiB (3 places); None where
+    either reading is missing (``/proc/meminfo`` unreadable, or never healthy)."""
+    taken = None if before is None or healthy is None else round((healthy - before) / 2**30, 3)
+    return {
+        "host_used_before_start": before,
+        "host_used_healthy": healthy,
+        "host_gib_taken": taken,
+    }
+
+
 # --- the runner -----------------------------------------------------------------------------------
 
 
@@ -406,6 +429,8 @@ class Runner:
     deadline: float | None = None  # a ``clock()`` value the run must end by; None: no limit
     clock: Callable[[], float] = time.monotonic
     startups: list[float] = dataclasses.field(default_factory=list)  # server starts, s
+    # Host memory in use system-wide, bytes (None: unreadable); read around each start.
+    host_used: Callable[[], int | None] = replay.host_used_bytes
 
     def fits(self, what: str, need_s: float) -> bool:
         """Whether ``what``, which takes at least ``need_s`` seconds, can end before the
@@ -521,10 +546,14 @@ class Runner:
             if speculative else None,
             "budget": {"fraction": self.profile.budget, **budget},
         }  # fmt: skip
+        # The same reading for every arm: the host's memory in use just before the
+        # server's process starts and once it is healthy (:func:`host_taken`).
+        host_before = self.host_used()
         started = self.clock()
         with server:
             state = server.wait_healthy(self.profile.startup_timeout_s)
             startup_s = round(self.clock() - started, 1)
+            host = host_taken(host_before, self.host_used() if state == "ok" else None)
             if state == "ok":
                 self.startups.append(startup_s)
             text = server.log.read_text(errors="replace") if server.log.exists() else ""
@@ -534,6 +563,7 @@ class Runner:
                 "startup_s": startup_s,
                 "facts": server_facts(text),
                 "attention_backend": attention_backend(text),
+                **host,
                 "server_log": str(server.log),
             }
             if state != "ok":
@@ -923,6 +953,9 @@ def summarize(folder: Path) -> dict[str, Any]:
                 # profile's pool arm took --moe-expert-pool-gb).
                 "pool_flag": pool_flag(argv),
                 **gpu_expert_bytes(data, spec),
+                # What the server took of the host's memory; a record from before servers
+                # measured it lacks the fields, and so does its row (not measured).
+                **{key: data[key] for key in HOST_FIELDS if key in data},
             })  # fmt: skip
             continue
         summary = data.get("summary") or {}

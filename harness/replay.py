@@ -469,6 +469,17 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def host_used_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Host memory in use, system-wide (``MemTotal - MemAvailable``): it counts the pinned
+    pages that ``VmLck``/``VmPin`` miss (CUDA's pinned allocations are not accounted to
+    the process), and not the page cache, which is available. None where unreadable."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
+        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _wait_group(pgid: int, deadline: float) -> bool:
     while group_members(pgid):
         if time.monotonic() >= deadline:

@@ -81,6 +81,7 @@ from typing import Any, TypeVar
 
 from harness import checkpoint, checkpoint_routed, e2e, replay, results
 from harness.project import HarnessError, progress
+from harness.replay import host_used_bytes
 
 PROFILES = Path(__file__).resolve().parent / "data" / "soak_profiles.toml"
 COMPLETIONS = "/v1/completions"
@@ -427,17 +428,6 @@ def tree_memory(pgid: int) -> dict[str, Any]:
         "processes": members,
         **{key: sum(m[key] for m in members) for key in STATUS_FIELDS.values()},
     }
-
-
-def host_used_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """Host memory in use, system-wide (``MemTotal - MemAvailable``): it counts the pinned
-    pages that ``VmLck``/``VmPin`` miss (CUDA's pinned allocations are not accounted to
-    the process), and not the page cache, which is available. None where unreadable."""
-    try:
-        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines())
-        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def gpu_memory(nvml: Any | None) -> dict[str, float] | None:

@@ -883,3 +883,134 @@ def test_which_flag_shows_the_online_rate_it_names_and_no_other() -> None:
     assert rows[pool][-1] == "542 / 0.248"
     assert rows["`--cpu-offload-gb` (UVA)"][-1] == "-"
     assert rows["none: every expert on the GPU (reference)"][-1] == "-"
+
+
+# --- host memory each server took ---------------------------------------------------------------
+
+
+def _meminfo(path: Path, used_gib: float, total_gib: int = 128) -> Path:
+    """A fake ``/proc/meminfo`` with ``used_gib`` of ``total_gib`` in use."""
+    kib = 2**20
+    available = round((total_gib - used_gib) * kib)
+    path.write_text(
+        f"MemTotal:       {total_gib * kib} kB\nMemFree:        1000 kB\n"
+        f"MemAvailable:   {available} kB\nCached:         5000 kB\n"
+    )
+    return path
+
+
+def test_host_memory_taken_is_in_use_when_healthy_less_before_the_start(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    before = e2e.replay.host_used_bytes(_meminfo(meminfo, 10.0))
+    healthy = e2e.replay.host_used_bytes(_meminfo(meminfo, 36.6))
+    assert (before, healthy) == (10 * 2**30, round(36.6 * 2**20) * 1024)
+    assert e2e.host_taken(before, healthy) == {
+        "host_used_before_start": before, "host_used_healthy": healthy, "host_gib_taken": 26.6,
+    }  # fmt: skip
+    unreadable = e2e.replay.host_used_bytes(tmp_path / "missing")
+    assert unreadable is None
+    assert e2e.host_taken(unreadable, healthy)["host_gib_taken"] is None
+    assert e2e.host_taken(before, None)["host_gib_taken"] is None  # never healthy
+
+
+@pytest.mark.usefixtures("fake")
+def test_each_server_records_the_host_memory_it_took_and_the_summary_carries_it(
+    tmp_path: Path,
+) -> None:
+    """Read from a fake meminfo just before each start and once healthy: the resident
+    arm's server took 4.5 GiB, the pool's 12.25 GiB; every arm reads the same way."""
+    meminfo = tmp_path / "meminfo"
+    used = iter([10.0, 14.5, 11.0, 23.25])  # resident before, healthy; pool before, healthy
+    runner = _tiny_runner(tmp_path / "out")
+    runner.host_used = lambda: e2e.replay.host_used_bytes(_meminfo(meminfo, next(used)))
+    runner.run()
+    assert next(used, None) is None  # two readings per server, no more
+    out = tmp_path / "out"
+    expected = {"resident": (10.0, 14.5, 4.5), "pool": (11.0, 23.25, 12.25)}
+    for arm, (before, healthy, taken) in expected.items():
+        data = json.loads((out / f"server-skewed-{arm}.json").read_text())["data"]
+        assert data["host_used_before_start"] == int(before * 2**30)
+        assert data["host_used_healthy"] == int(healthy * 2**30)
+        assert data["host_gib_taken"] == taken
+    rows = {r["arm"]: r for r in e2e.summarize(out)["servers"]}
+    assert {arm: r["host_gib_taken"] for arm, r in rows.items()} == {"resident": 4.5, "pool": 12.25}
+    assert rows["pool"]["host_used_before_start"] == 11 * 2**30
+    assert rows["pool"]["host_used_healthy"] == int(23.25 * 2**30)
+
+
+@pytest.mark.usefixtures("fake")
+def test_a_server_that_never_gets_healthy_took_no_measured_host_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_VLLM_MODE", "crash")
+    out = tmp_path / "out"
+    runner = _tiny_runner(out, arms=("pool",))
+    runner.host_used = lambda: 8 << 30
+    runner.run()
+    server = json.loads((out / "server-skewed-pool.json").read_text())["data"]
+    assert server["outcome"] == "does not run"
+    assert server["host_used_before_start"] == 8 << 30
+    assert server["host_used_healthy"] is None and server["host_gib_taken"] is None
+
+
+def test_an_old_server_record_without_host_memory_reads_as_not_measured(tmp_path: Path) -> None:
+    """Its summary row lacks the fields too (committed summaries stay what their runs
+    give), and the table shows "-" for it."""
+    _write_record(tmp_path, "server-skewed-uva", "e2e-server",
+                  _server("uva", "uva", 9.72, uva_offloaded_gib=[26.66]))  # fmt: skip
+    (row,) = e2e.summarize(tmp_path)["servers"]
+    assert not set(e2e.HOST_FIELDS) & set(row)
+    summary = e2e.summarize_runs([tmp_path])
+    cells = {cells[0]: cells[2] for cells in document.which_flag_cells(summary)}
+    assert cells["`--cpu-offload-gb` (UVA)"] == "-"
+
+
+def test_which_flag_shows_each_arms_newest_measured_host_memory() -> None:
+    """The pool's newest run could not read meminfo: its older run's value is shown; the
+    UVA arm's plain server is from before servers measured it, so its ngram server's
+    reading does not stand in for it; prefetch has no server at all."""
+    summary = _three_run_summary()
+    server = {"router": "skewed", "spec_tokens": 0, "outcome": "runs",
+              "expert_gib_on_gpu": 9.0, "holds_budget": True}  # fmt: skip
+    summary["servers"] = [
+        {**server, "arm": "pool", "run": "2026-01-01-run1-a", "series_hash": "h1",
+         "host_gib_taken": 31.26},
+        {**server, "arm": "pool", "run": "2026-01-02-run2-b", "series_hash": "h2",
+         "host_gib_taken": None},
+        {**server, "arm": "pool", "run": "2026-01-01-run1-a", "series_hash": "h1",
+         "host_gib_taken": 29.0, "spec_tokens": 3},
+        {**server, "arm": "uva", "run": "2026-01-02-run2-b", "series_hash": "h2"},
+        {**server, "arm": "uva", "run": "2026-01-02-run2-b", "series_hash": "h2",
+         "host_gib_taken": 30.0, "spec_tokens": 3},
+        {**server, "arm": "resident", "run": "2026-01-03-base", "series_hash": "h3",
+         "expert_gib_on_gpu": 35.5, "holds_budget": None, "host_gib_taken": 1.04},
+    ]  # fmt: skip
+    host = {row[0]: row[2] for row in document.which_flag_cells(summary)}
+    assert host == {
+        "none: every expert on the GPU (reference)": "1.0",
+        "`--cpu-offload-gb` (UVA)": "-",
+        "`--offload-backend prefetch`": "-",
+        f"`{document.POOL_FLAG_UNKNOWN}`": "31.3",
+        f"`{document.POOL_FLAG_UNKNOWN} --no-moe-expert-pool-prefill-staging`": "-",
+    }
+    # The run that gave the pool's host memory is named with the others.
+    assert "h1" in document.which_flag_hashes(summary)
+
+
+def test_an_old_summary_without_host_memory_renders_the_table(tmp_path: Path) -> None:
+    """The committed summary, stripped of any host-memory field: the column is there, every
+    cell of it is "-", and the conditions say what it would measure."""
+    summary = json.loads((e2e.REPO / document.E2E_SUMMARY).read_text())
+    for row in summary["servers"]:
+        for key in e2e.HOST_FIELDS:
+            row.pop(key, None)
+    path = tmp_path / document.E2E_SUMMARY
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(summary))
+    text = document.render_which_flag(document.Project(tmp_path, tmp_path, tmp_path))
+    lines = text.splitlines()
+    assert lines[0].startswith("| flag | experts on the GPU | host RAM taken, GiB | TTFT 12.5K")
+    rows = [line.strip("|").split(" | ") for line in lines[2:] if line.startswith("| ")]
+    assert len(rows) == len(document.WHICH_FLAG_ARMS)
+    assert [row[2].strip() for row in rows] == ["-"] * len(rows)
+    assert "MemTotal - MemAvailable" in text and "pinned pages" in text

@@ -149,7 +149,7 @@ def test_an_opening_without_a_table_is_caught(tmp_path):
     assert openings_without_headline(tmp_path) == ["results/a/README.md"]
 
 
-# --- the user guide and its copy in 0001 ---------------------------------------------------------
+# --- the user guide and its copy in the series -------------------------------------------
 
 
 def test_guide_drift_compares_the_page_with_the_trees_copy(project):
@@ -165,8 +165,8 @@ def test_guide_drift_compares_the_page_with_the_trees_copy(project):
     copy.write_text(page.replace("Use it.", "Use it often."))
     assert document.guide_drift(project) == [
         f"{document.GUIDE} and the tree's {document.GUIDE_IN_TREE} differ from line 3: copy "
-        f"the page into 0001 (everything above {document.GUIDE_PROJECT_ONLY!r}) or bring the "
-        "change back"
+        f"the page into the series' guide commit (everything above "
+        f"{document.GUIDE_PROJECT_ONLY!r}) or bring the change back"
     ]
     copy.write_text(page + "More.\n")
     assert document.guide_drift(project) != []
