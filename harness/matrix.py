@@ -134,8 +134,8 @@ def run_release(project: Project, version: str, cells: dict[str, dict[str, Any]]
     stop = next((p for p in patches if cells[p.name]["outcome"] not in APPLIED), None)
     if stop is None:
         prefixes = run_prefixes(project, version) if version == project.pin.release.version else {}
-        run = _run_group(project, version, cells)
-        return run | {"prefixes": prefixes} if prefixes else run
+        full = _run_group(project, version, cells)
+        return full | {"prefixes": prefixes} if prefixes else full
     reason = f"the series stops at {stop.name[:4]} on this release"
     for patch in patches:
         applied = cells[patch.name]["outcome"] in APPLIED
