@@ -39,6 +39,8 @@ which row they take:
   ``half_life`` steps, default 100; exact counts, no sketch: a layer has few experts).
   A miss is promoted only if its count, this step's routes included, exceeds the
   count of the expert in the victim row; the victim stays the global LRU row;
+* ``planner-frequency``: ``frequency`` as the series' planner builds it (half-life 25
+  steps; integer counts with 8 fractional bits, each layer's decayed at its own step);
 * ``lfru``: a frequency-aware LRU in the spirit of LFRU, comparable to the one proposed
   upstream for ``--moe-expert-cache-size`` (this is our own formulation, not a port of
   that code): every miss is promoted, as today, but the victim is the row with the
@@ -452,7 +454,49 @@ class Lfru(_Decayed):
         return best
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Policy, SecondMiss, Frequency, Lfru)}
+class PlannerFrequency(Policy):
+    """Frequency admission as the series' planner builds it (``--moe-expert-pool-admission
+    frequency``): :class:`Frequency`'s rule on the planner's integer counts. Each layer
+    step multiplies its layer's counts by ``round(2**16 * 2**(-1 / half_life)) / 2**16``
+    (rounded down) and adds ``lanes << 8``; other layers' counts wait for their own step,
+    so a victim of a later layer is compared one decay short."""
+
+    name = "planner-frequency"
+    FRACTION_BITS = 8
+
+    def __init__(self, half_life: float = 25.0) -> None:
+        self.half_life = half_life
+        self.decay = round(2**16 * 2 ** (-1 / half_life))
+        self.counts: Any = None
+
+    def params(self) -> dict[str, float]:
+        return {"half_life_steps": self.half_life, "decay_q16": self.decay}
+
+    def reset(self, bank: Bank) -> None:
+        import numpy as np
+
+        self.counts = np.zeros(bank.layers * bank.experts, dtype=np.int64)
+
+    def observe(self, bank: Bank, layer: int, lanes: Mapping[int, int], step: int) -> None:
+        base = layer * bank.experts
+        counts = self.counts[base : base + bank.experts]
+        counts *= self.decay
+        counts >>= 16
+        for expert, n in lanes.items():
+            counts[expert] += n << self.FRACTION_BITS
+
+    def victim(self, bank: Bank, layer: int, expert: int, step: int) -> int | None:
+        row = bank.lru_victim()
+        if row is None:
+            return None
+        flat = bank.owner[row]
+        theirs = int(self.counts[flat]) if flat >= 0 else -1
+        return row if int(self.counts[layer * bank.experts + expert]) > theirs else None
+
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (Policy, SecondMiss, Frequency, Lfru, PlannerFrequency)
+}
 
 
 def make_policy(spec: str) -> Policy:

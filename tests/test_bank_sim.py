@@ -121,6 +121,20 @@ def test_frequency_counts_decay() -> None:
     assert [p for p, _ in plan[5:]] == [[], [1]]
 
 
+def test_planner_frequency_is_the_planners_integer_rule() -> None:
+    # The series' tables.py: FREQ_DECAY = round(2**16 * 2 ** (-1 / 25)) = 63744.
+    assert bank_sim.PlannerFrequency().decay == 63744
+    bank = Bank(layers=1, experts=4, rows=1, top_k=1)
+    steps = [[[[0]]]] * 5 + [[[[1]]]] * 5
+    policy = bank_sim.PlannerFrequency()
+    plan = play(bank, policy, steps)
+    # Five routes of expert 1 outweigh expert 0's five older ones, four do not.
+    assert [p for p, _ in plan[5:]] == [[]] * 4 + [[1]]
+    # Counts are fixed point: one route at the last step adds 256, older ones decay.
+    assert policy.counts[1] > 4 * 256 and policy.counts[2] == 0
+    assert policy.counts[0] < 5 * 256
+
+
 @pytest.mark.parametrize(("candidates", "victim_expert"), [(1, 0), (3, 1)])
 def test_lfru_evicts_the_least_frequent_of_the_oldest_rows(candidates, victim_expert) -> None:
     bank = Bank(layers=1, experts=6, rows=3, top_k=1)
