@@ -535,7 +535,8 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "--arms",
         type=_csv,
         default=[],
-        help="arms, comma-separated, of resident, pool, pool-host-view, uva, prefetch "
+        help="arms, comma-separated, of resident, pool, pool-host-view, pool-frequency, uva, "
+        "prefetch "
         "(default: all of the profile's; soak: the soak profile's, pool and resident)",
     )
     e.add_argument("--routers", type=_csv, default=[], help="uniform,skewed (default: profile's)")

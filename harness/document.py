@@ -165,6 +165,7 @@ WHICH_FLAG_ARMS = (
     ("prefetch", "`--offload-backend prefetch`"),
     ("pool", "`{pool}`"),
     ("pool-host-view", "`{pool} --no-moe-expert-pool-prefill-staging`"),
+    ("pool-frequency", "`{pool} --moe-expert-pool-admission frequency`"),
 )
 #: The pool's flag in a row whose server is not in the summary.
 POOL_FLAG_UNKNOWN = "--moe-expert-pool-gb G"
@@ -183,7 +184,16 @@ def _host_rows(summary: dict[str, Any]) -> dict[str, Mapping[str, Any]]:
     of runs from before servers measured it lack the field and are passed over."""
     rows = [((r["arm"],), r) for r in summary["servers"]
             if not r.get("spec_tokens") and r.get("host_gib_taken") is not None]  # fmt: skip
-    return {arm: row for (arm,), row in e2e._newest(rows, summary.get("runs", {})).items()}
+    return {arm: row for (arm,), row in e2e.newest_rows(rows, summary.get("runs", {})).items()}
+
+
+def online_cell(row: Mapping[str, Any] | None) -> str:
+    """An online row's inter-token tail latency, with the percentile its number of
+    completed requests supports (:func:`e2e.tail_latency`): ``146 (p90 of 36)``."""
+    if row is None:
+        return "-"
+    name, value = e2e.tail_latency(row, "itl_ms")
+    return "-" if value is None else f"{e2e.sig3(value)} ({name} of {row['completed']})"
 
 
 def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
@@ -191,8 +201,8 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
     server kept on the GPU, the host memory it took (``-`` where none of its servers
     measured it: :func:`_host_rows`), TTFT (skewed router), sampled decode tok/s per
     request at 1 and 32 requests (skewed / uniform) and, under online load at
-    :data:`WHICH_FLAG_ONLINE_RATE`, the p99 inter-token latency and the requests served
-    per second; each the newest value (:func:`e2e.newest_cells`). What an arm kept
+    :data:`WHICH_FLAG_ONLINE_RATE`, the tail inter-token latency (:func:`online_cell`);
+    each the newest value (:func:`e2e.newest_cells`). What an arm kept
     on the GPU is all of it, staging included, against the budget
     (:func:`e2e.gpu_expert_bytes`)."""
     cells = e2e.newest_cells(summary)
@@ -201,7 +211,7 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
     host = _host_rows(summary)
 
     def value(row: Mapping[str, Any] | None, key: str) -> str:
-        return "-" if row is None else e2e._sig3(row[key])
+        return "-" if row is None else e2e.sig3(row[key])
 
     def host_gib(arm: str) -> str:
         row = host.get(arm)
@@ -230,9 +240,7 @@ def which_flag_cells(summary: dict[str, Any]) -> list[list[str]]:
                 " / ".join(value(decode.get((r, arm, 0, c)), "tok_s") for r in ROUTERS)
                 for c in (1, 32)
             ),
-            f"{value(row, 'itl_ms_p99')} / {row['request_throughput']:.3f}"
-            if (row := online.get(("skewed", arm, WHICH_FLAG_ONLINE_RATE)))
-            else "-",
+            online_cell(online.get(("skewed", arm, WHICH_FLAG_ONLINE_RATE))),
         ])  # fmt: skip
     return out
 
@@ -305,7 +313,8 @@ def render_which_flag(project: Project) -> str:
         "TTFT 12.5K / 81.6K tokens, s",
         "decode, 1 request, tok/s (skewed / uniform)",
         "decode, 32 requests, tok/s per request (skewed / uniform)",
-        f"online, {WHICH_FLAG_ONLINE_RATE:g} requests/s: inter-token p99, ms / served, requests/s",
+        f"online, {WHICH_FLAG_ONLINE_RATE:g} requests/s: inter-token tail, ms (percentile of "
+        "completed requests)",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     lines += ["| " + " | ".join(row) + " |" for row in which_flag_cells(summary)]
@@ -326,7 +335,8 @@ def render_which_flag(project: Project) -> str:
         f"`python -m harness replay e2e --profile {WHICH_FLAG_PROFILE}`. "
         "Host RAM taken is the host memory in use system-wide (MemTotal - MemAvailable of "
         "/proc/meminfo) once the server is healthy, less that just before it started: it "
-        "includes pinned pages and the server's own memory.",
+        "includes pinned pages and the server's own memory. Online tails are p99 from "
+        f"{e2e.P99_MIN_REQUESTS} completed requests on, else p90.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -87,6 +87,11 @@ def _not_run(reason: str) -> dict[str, Any]:
     return {"result": "not run", "detail": reason, "seconds": 0.0}
 
 
+def _no_tests() -> dict[str, Any]:
+    """The test cell of a patch that adds or changes no test file."""
+    return {"result": "no tests", "detail": "", "seconds": 0.0}
+
+
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
@@ -106,7 +111,7 @@ def cell_tests(
         seconds = round(sum(c.seconds for c in mine), 1)
         bad = [c for c in mine if c.outcome in ("failed", "error")]
         if not files:
-            out[patch.name] = {"result": "no tests", "detail": "", "seconds": 0.0}
+            out[patch.name] = _no_tests()
         elif bad:
             out[patch.name] = {"result": "failed", "detail": bad[0].test_id, "seconds": seconds}
         elif not mine:
@@ -221,15 +226,18 @@ def _run_group(
                 run[name] = {"result": "passed" if outcome.ok else "failed",
                              "detail": outcome.summary()}  # fmt: skip
         run[name]["seconds"] = round(time.monotonic() - started, 1)
-    per_test = (
-        cell_tests(
+    if report is not None and test.junit_path(release).exists():
+        per_test = cell_tests(
             patches,
             test.junit_cases(test.junit_path(release)),
             [test_id for test_id, _ in release.pin.deselect],
         )
-        if report is not None and test.junit_path(release).exists()
-        else {p.name: _not_run(f"{run['test']['detail'] or 'tests not run'}") for p in patches}
-    )
+    else:  # tests that ran but wrote no report collected nothing: "no tests" stays so
+        why = run["test"]["detail"] or "tests not run"
+        per_test = {
+            p.name: _no_tests() if report is not None and not patch_tests(p) else _not_run(why)
+            for p in patches
+        }
     for patch in patches:
         build_cell = {k: run["build"][k] for k in ("result", "detail")}
         if only and build_cell["result"] == "passed":

@@ -111,6 +111,7 @@ class ServerOptions:
     moe_expert_pool_rows: int | None = None
     moe_expert_pool_gb: float | None = None  # all the pool keeps on the GPU, in GiB
     prefill_staging: bool | None = None  # False: --no-moe-expert-pool-prefill-staging
+    moe_expert_pool_admission: str | None = None  # "every-miss" or "frequency" (series 0015)
     custom_all_reduce: bool | None = None  # False: --disable-custom-all-reduce
     kv_cache_dtype: str | None = None
     max_model_len: int | None = None
@@ -132,6 +133,7 @@ class ServerOptions:
             ("--attention-backend", self.attention_backend),
             ("--moe-expert-pool-rows", self.moe_expert_pool_rows),
             ("--moe-expert-pool-gb", self.moe_expert_pool_gb),
+            ("--moe-expert-pool-admission", self.moe_expert_pool_admission),
             ("--kv-cache-dtype", self.kv_cache_dtype),
             ("--max-model-len", self.max_model_len),
             ("--max-num-seqs", self.max_num_seqs),

@@ -173,6 +173,12 @@ def test_each_arm_gets_the_budget_in_its_own_units() -> None:
     assert json.loads(argv[argv.index("--speculative-config") + 1])["method"] == "ngram"
     host_view = e2e.server_options(profile, profile.arms["pool-host-view"], spec, False)
     assert "--no-moe-expert-pool-prefill-staging" in host_view.argv()
+    # The pool arm takes the series' default admission, pool-frequency asks for frequency.
+    assert "--moe-expert-pool-admission" not in pool.argv()
+    frequency = e2e.server_options(profile, profile.arms["pool-frequency"], spec, False)
+    argv = frequency.argv()
+    assert argv[argv.index("--moe-expert-pool-admission") + 1] == "frequency"
+    assert argv[argv.index("--moe-expert-pool-gb") + 1] == "8.859"
 
 
 def _server(arm: str, offload: str, loading: float, **facts: list[float]) -> dict[str, object]:
@@ -298,7 +304,7 @@ def test_dry_run_prints_every_arm_and_the_checkpoint_command(
     out = capsys.readouterr().out
     assert "--preset glm-shape" in out
     serves = [line for line in out.splitlines() if line.startswith("vllm serve ")]
-    assert len(serves) == 2 * 9  # 2 routers x (5 arms, 4 of them again with ngram speculation)
+    assert len(serves) == 2 * 11  # 2 routers x (6 arms, 5 of them again with ngram speculation)
     assert "--cpu-offload-gb" in out and "--offload-backend prefetch" in out
 
 
@@ -613,9 +619,11 @@ def test_online_runs_are_recorded_summarized_and_tabled(tmp_path: Path) -> None:
     rows = {r["request_rate"]: r for r in summary["online"]}
     assert rows[2.0]["itl_ms_p99"] == 30.0 and rows[2.0]["request_throughput"] == 2.0
     assert rows[0.5]["attention_backend"] != "no server record"
+    assert rows[2.0]["itl_ms_p90"] == 20.0 and rows[2.0]["completed"] == 8
     table = e2e.matrix_markdown(summary)
     assert "## Online serving: Poisson arrivals" in table
-    assert "| skewed | pool | 2 |" in table
+    # 8 completed requests: the tail shown is the p90
+    assert "| skewed | pool | 2 | 8 |" in table and "9.00 / 20.0 (p90)" in table
 
 
 @pytest.mark.usefixtures("fake")
@@ -862,6 +870,8 @@ def test_which_flag_counts_everything_on_the_gpu_against_the_budget(tmp_path: Pa
         "`--moe-expert-pool-rows 32`": "11.4 GiB, 29% over budget",
         "`--moe-expert-pool-gb 8.859 --no-moe-expert-pool-prefill-staging`":
             "8.6 GiB, budget held",
+        # No server of this arm in the summary: its row says nothing was measured.
+        f"`{document.POOL_FLAG_UNKNOWN} --moe-expert-pool-admission frequency`": "-",
     }  # fmt: skip
     matrix = e2e.matrix_markdown(summary)
     assert "| pool | 11.45 GiB | 2.52 GiB | no (+29.2%) |" in matrix
@@ -871,16 +881,22 @@ def test_which_flag_counts_everything_on_the_gpu_against_the_budget(tmp_path: Pa
 def test_which_flag_shows_the_online_rate_it_names_and_no_other() -> None:
     summary = _three_run_summary()
     online = {"router": "skewed", "run": "2026-01-02-run2-b", "series_hash": "h2",
-              "outcome": "ok", "request_throughput": 0.2481, "itl_ms_p99": 541.9}  # fmt: skip
+              "outcome": "ok", "request_throughput": 0.2481, "itl_ms_p90": 146.3,
+              "itl_ms_p99": 541.9, "completed": 36}  # fmt: skip
     summary["online"] = [
         {**online, "arm": "pool", "request_rate": document.WHICH_FLAG_ONLINE_RATE},
         {**online, "arm": "uva", "request_rate": 0.1},  # another rate: not shown
         {**online, "arm": "resident", "request_rate": document.WHICH_FLAG_ONLINE_RATE,
          "outcome": "cut"},  # not completed: not shown
+        # 120 requests support a p99
+        {**online, "arm": "prefetch", "request_rate": document.WHICH_FLAG_ONLINE_RATE,
+         "completed": 120},
     ]  # fmt: skip
     rows = {row[0]: row for row in document.which_flag_cells(summary)}
     pool = next(flag for flag in rows if flag == f"`{document.POOL_FLAG_UNKNOWN}`")
-    assert rows[pool][-1] == "542 / 0.248"
+    # 36 requests: the p90, not a p99 that is about the worst request
+    assert rows[pool][-1] == "146 (p90 of 36)"
+    assert rows["`--offload-backend prefetch`"][-1] == "542 (p99 of 120)"
     assert rows["`--cpu-offload-gb` (UVA)"][-1] == "-"
     assert rows["none: every expert on the GPU (reference)"][-1] == "-"
 
@@ -992,6 +1008,7 @@ def test_which_flag_shows_each_arms_newest_measured_host_memory() -> None:
         "`--offload-backend prefetch`": "-",
         f"`{document.POOL_FLAG_UNKNOWN}`": "31.3",
         f"`{document.POOL_FLAG_UNKNOWN} --no-moe-expert-pool-prefill-staging`": "-",
+        f"`{document.POOL_FLAG_UNKNOWN} --moe-expert-pool-admission frequency`": "-",
     }
     # The run that gave the pool's host memory is named with the others.
     assert "h1" in document.which_flag_hashes(summary)

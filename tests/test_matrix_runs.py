@@ -81,6 +81,13 @@ def _two_patches(project: Project, commit) -> None:
     )
 
 
+def _two_patches_first_in_a_stack(project: Project, commit) -> None:
+    """:func:`_two_patches`, the first commit's note marking it commit 1 of stack "s"."""
+    _two_patches(project, commit)
+    notes = project.patches / "notes.toml"
+    notes.write_text(notes.read_text().replace('why = "a"\n', 'why = "a"\nstack = "s"\n'))
+
+
 def test_a_release_where_the_series_stops_runs_nothing_and_says_why(project, commit) -> None:
     _two_patches(project, commit)
     old = dict(FILES)
@@ -248,9 +255,7 @@ def test_the_matrix_command_takes_test(flag: list[str]) -> None:
 def test_each_prefix_of_a_stack_is_built_and_tested_alone_on_the_base(
     project, commit, monkeypatch
 ) -> None:
-    _two_patches(project, commit)
-    notes = project.patches / "notes.toml"
-    notes.write_text(notes.read_text().replace('why = "a"\n', 'why = "a"\nstack = "s"\n'))
+    _two_patches_first_in_a_stack(project, commit)
     built: list[list[str]] = []
 
     def fake_build(release: Project, *, stock_kernels: bool) -> None:
@@ -285,3 +290,23 @@ def test_each_prefix_of_a_stack_is_built_and_tested_alone_on_the_base(
     assert matrix.failures(data) == []
     prefix["own"] = {"result": "failed", "detail": "tests/test_layer.py::test_x"}
     assert matrix.failures(data) == ["1.0.0 prefix to 0001 own"]
+
+
+def test_a_prefix_without_tests_reads_no_tests_when_no_report_was_written(
+    project, commit, monkeypatch
+) -> None:
+    # The first commit of a stack adds no test file: its prefix's test run collects
+    # nothing and writes no JUnit report; its own tests are "no tests", not "not run".
+    _two_patches_first_in_a_stack(project, commit)
+    monkeypatch.setattr(build, "build", lambda release, *, stock_kernels: None)
+
+    def no_report(release: Project) -> test.TestReport:
+        test.junit_path(release).unlink(missing_ok=True)
+        return test.TestReport((), 0, 0, 0, (), "none")
+
+    monkeypatch.setattr(test, "run_tests", no_report)
+    cells = matrix.classify(project, project.pin.release)
+    run = matrix.run_release(project, project.pin.release.version, cells)
+    assert run["prefixes"]["0001-Core-Change-value.patch"]["own"]["result"] == "no tests"
+    # the whole series' layer commit has a test file, and no report: not run
+    assert cells["0002-Core-Change-layer.patch"]["test"]["result"] == "not run"
