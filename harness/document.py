@@ -179,11 +179,13 @@ WHICH_FLAG_ONLINE_RATE = 0.3
 
 
 def _host_rows(summary: dict[str, Any]) -> dict[str, Mapping[str, Any]]:
-    """Per arm, its newest plain server row (by its run's date) that measured what the
-    server took of the host's memory (``host_gib_taken``, :func:`e2e.host_taken`); rows
-    of runs from before servers measured it lack the field and are passed over."""
-    rows = [((r["arm"],), r) for r in summary["servers"]
-            if not r.get("spec_tokens") and r.get("host_gib_taken") is not None]  # fmt: skip
+    """Per arm, its newest plain server row (by its run's date) of the arm's newest
+    configuration (:func:`e2e.newest_configuration`) that measured what the server took
+    of the host's memory (``host_gib_taken``, :func:`e2e.host_taken`); rows of runs from
+    before servers measured it lack the field and are passed over."""
+    keep = e2e.newest_configuration(summary)
+    rows = [((r["arm"],), r) for r in summary["servers"] if keep(r)
+            and not r.get("spec_tokens") and r.get("host_gib_taken") is not None]  # fmt: skip
     return {arm: row for (arm,), row in e2e.newest_rows(rows, summary.get("runs", {})).items()}
 
 
@@ -295,6 +297,8 @@ def render_which_flag(project: Project) -> str:
         return "no torch.compile" if off else "torch.compile"
 
     compiled = each(compile_mode)
+    named = list(dict.fromkeys(p["gpu"] for p in provs))
+    gpus = f"one GPU per run ({', '.join(named)})" if len(named) > 1 else f"one {''.join(named)}"
     profile = e2e.load_profiles()[WHICH_FLAG_PROFILE]
     shown = {r["run"] for r in _shown_rows(summary)}
     backends = [s.get("attention_backend", "not recorded") for s in summary["servers"]
@@ -324,7 +328,7 @@ def render_which_flag(project: Project) -> str:
         "",
         f"Conditions: vLLM {each(lambda p: p['base']['version'])}, series {hashes} (the "
         f"newest run of each cell; `{Path(E2E_SUMMARY).parent}/matrix.md` names it); "
-        f"one {each(lambda p: p['gpu'])}, driver {each(lambda p: p['driver'])}, CUDA "
+        f"{gpus}, driver {each(lambda p: p['driver'])}, CUDA "
         f"{each(lambda p: p['cuda'])}, torch {each(lambda p: p['torch'])}, {attention}, "
         f"{compiled}; synthetic NVFP4 model ({model}; Marlin), {budget} of "
         f"the expert bytes allowed on the GPU; "

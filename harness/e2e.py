@@ -1099,32 +1099,53 @@ def newest_rows(
     return out
 
 
+def newest_configuration(summary: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether a row of a several-run summary was measured with its arm's newest pool
+    size (``pool_flag`` of the newest server of the arm): an arm whose flag changed
+    between runs (the pool went from ``--moe-expert-pool-rows 32`` to
+    ``--moe-expert-pool-gb 8.859``) shows no older cells beside the newer ones. A run
+    without a server record of the arm counts as one without a pool flag."""
+    runs = summary.get("runs", {})
+    flags = {(r["run"], r["arm"]): r.get("pool_flag") for r in summary["servers"]}
+    newest = newest_rows([((r["arm"],), r) for r in summary["servers"]], runs)
+    current = {arm: r.get("pool_flag") for (arm,), r in newest.items()}
+
+    def keep(row: Mapping[str, Any]) -> bool:
+        arm = row["arm"]
+        return arm not in current or flags.get((row["run"], arm)) == current[arm]
+
+    return keep
+
+
 def newest_cells(summary: Mapping[str, Any]) -> dict[str, dict[Any, Mapping[str, Any]]]:
-    """The newest row of each cell of a several-run summary: ``servers`` by arm (plain
+    """The newest row of each cell of a several-run summary, among the rows of each arm's
+    newest configuration (:func:`newest_configuration`): ``servers`` by arm (plain
     servers), ``ttft`` by (router, arm, input length), ``decode`` by (router, arm,
     spec tokens, concurrency) and ``online`` by (router, arm, request rate; completed
     runs). Greedy decode runs (temperature 0) are left out: their repeated tokens make
     requests share experts (results/e2e/README.md)."""
     runs = summary.get("runs", {})
+    keep = newest_configuration(summary)
     return {
         "servers": newest_rows(
             [((r["arm"],), r) for r in summary["servers"]
-             if not r["spec_tokens"] and r["expert_gib_on_gpu"] is not None],
+             if not r["spec_tokens"] and r["expert_gib_on_gpu"] is not None and keep(r)],
             runs,
         ),
         "ttft": newest_rows(
             [((r["router"], r["arm"], r["input_len"]), r) for r in summary["ttft"]
-             if r["ttft_s"] is not None],
+             if r["ttft_s"] is not None and keep(r)],
             runs,
         ),
         "decode": newest_rows(
             [((r["router"], r["arm"], r["spec_tokens"], r["concurrency"]), r)
-             for r in summary["decode"] if r["tok_s"] is not None and r.get("temperature")],
+             for r in summary["decode"]
+             if r["tok_s"] is not None and r.get("temperature") and keep(r)],
             runs,
         ),
         "online": newest_rows(
             [((r["router"], r["arm"], r["request_rate"]), r) for r in summary.get("online", [])
-             if r["outcome"] == "ok"],
+             if r["outcome"] == "ok" and keep(r)],
             runs,
         ),
     }  # fmt: skip

@@ -516,6 +516,41 @@ def test_the_matrix_keeps_each_cells_newest_sampled_value() -> None:
     assert "| skewed | pool | 70.5%, 0.64 GiB per step | - |" in text  # the pool's counters
 
 
+def test_an_arm_whose_pool_flag_changed_shows_only_its_newest_configurations_cells() -> None:
+    """Run 1 sized the pool by rows (its 32-request decode and TTFT), run 2 by GiB (one
+    request): the pool's cells come from run 2 alone, and the rows-sized TTFT and
+    32-request decode are not shown beside them. UVA kept its flag: both runs count."""
+    summary = _three_run_summary()
+    server = {"router": "skewed", "spec_tokens": 0, "outcome": "runs",
+              "expert_gib_on_gpu": 9.0, "holds_budget": True}  # fmt: skip
+    summary["servers"] = [
+        {**server, "arm": "pool", "run": "2026-01-01-run1-a", "series_hash": "h1",
+         "pool_flag": "--moe-expert-pool-rows 32", "expert_gib_on_gpu": 11.4},
+        {**server, "arm": "pool", "run": "2026-01-02-run2-b", "series_hash": "h2",
+         "pool_flag": "--moe-expert-pool-gb 8.859", "host_gib_taken": 38.6},
+        {**server, "arm": "uva", "run": "2026-01-01-run1-a", "series_hash": "h1",
+         "pool_flag": None},
+        {**server, "arm": "uva", "run": "2026-01-02-run2-b", "series_hash": "h2",
+         "pool_flag": None},
+    ]  # fmt: skip
+    summary["ttft"].append({"run": "2026-01-01-run1-a", "series_hash": "h1",
+                            "router": "skewed", "arm": "pool", "input_len": 12500,
+                            "ttft_s": 1.07})  # fmt: skip
+    row = {"router": "skewed", "spec_tokens": 0, "series_hash": "h1", "temperature": 1.0,
+           "run": "2026-01-01-run1-a"}  # fmt: skip
+    summary["decode"].append({**row, "arm": "uva", "concurrency": 32, "tok_s": 2.9})
+    cells = e2e.newest_cells(summary)
+    assert cells["servers"][("pool",)]["pool_flag"] == "--moe-expert-pool-gb 8.859"
+    assert ("skewed", "pool", 12500) not in cells["ttft"]
+    assert ("skewed", "pool", 0, 32) not in cells["decode"]
+    assert cells["decode"][("skewed", "pool", 0, 1)]["tok_s"] == 51.93
+    assert cells["decode"][("skewed", "uva", 0, 32)]["tok_s"] == 2.9
+    pool = {row[0]: row for row in document.which_flag_cells(summary)}[
+        "`--moe-expert-pool-gb 8.859`"
+    ]
+    assert pool[1:6] == ["9.0 GiB, budget held", "38.6", "- / -", "51.9 / -", "- / -"]
+
+
 def test_plots_of_several_runs_draw_the_matrix_points(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
