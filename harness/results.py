@@ -65,8 +65,12 @@ def _series(project: Project) -> dict[str, str]:
     build_json = project.work / "dist" / "build.json"
     if build_json.exists():
         built = json.loads(build_json.read_text())
-        info["wheel_sha256"] = built["wheel_sha256"]
-        info["tree_commit"] = built["tree_commit"]
+        # A wheel built from another series is not what this record measured.
+        if built.get("series_hash") == info["series_hash"]:
+            info["wheel_sha256"] = built["wheel_sha256"]
+            info["tree_commit"] = built["tree_commit"]
+        else:
+            info["stale_build"] = f"the built wheel is of series {built.get('series_hash')}"
     elif os.environ.get(BUNDLE_TREE_ENV):
         # Under device_run.py: no wheel, the device bundle's tree is what runs.
         info["tree_commit"] = os.environ[BUNDLE_TREE_ENV]

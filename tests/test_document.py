@@ -79,12 +79,27 @@ def test_provenance_names_the_code_under_test(tmp_path, monkeypatch):
     prov = results.provenance("x")
     assert prov["tree_commit"] == "abc123" and prov["vllm_from"] == "device bundle"
     assert "wheel_sha256" not in prov
+    monkeypatch.setattr(results, "series_hash", lambda project: "now")
     (tmp_path / "work" / "dist").mkdir(parents=True)
-    (tmp_path / "work" / "dist" / "build.json").write_text(
-        json.dumps({"wheel_sha256": "w", "tree_commit": "t"})
+    build_json = tmp_path / "work" / "dist" / "build.json"
+    build_json.write_text(
+        json.dumps({"wheel_sha256": "w", "tree_commit": "t", "series_hash": "now"})
     )
     prov = results.provenance("x")  # a built wheel wins: it is what the harness venv runs
     assert (prov["wheel_sha256"], prov["tree_commit"]) == ("w", "t") and "vllm_from" not in prov
+    assert "stale_build" not in prov
+
+
+def test_provenance_names_no_wheel_built_from_another_series(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SERIES_WORK", str(tmp_path / "work"))
+    monkeypatch.setattr(results, "series_hash", lambda project: "now")
+    (tmp_path / "work" / "dist").mkdir(parents=True)
+    (tmp_path / "work" / "dist" / "build.json").write_text(
+        json.dumps({"wheel_sha256": "w", "tree_commit": "t", "series_hash": "before"})
+    )
+    prov = results.provenance("x")
+    assert "wheel_sha256" not in prov and "tree_commit" not in prov
+    assert prov["stale_build"] == "the built wheel is of series before"
 
 
 def test_claims_table_reads_our_value_from_the_result(project):
