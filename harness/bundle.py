@@ -701,6 +701,9 @@ def build_bundle(
     if not (tree / ".git").exists():
         raise HarnessError(f"{tree} is not materialized; run `python -m harness apply` first")
     commit = git(tree, "rev-parse", "--verify", f"{revision}^{{commit}}").stdout.strip()
+    # The series hash names patches/; it describes the packed tree only when that
+    # tree is the series branch's head, not an earlier commit or a probe branch.
+    is_series = commit == git(tree, "rev-parse", "--verify", "series^{commit}").stdout.strip()
     base = base_commit(tree, pin.release)
     changed = compiled_changes(tree, base, commit, paths=("csrc/",))
     if changed and not extra_kernels and not stock_kernels:
@@ -743,7 +746,6 @@ def build_bundle(
                 "wheel_sha256": pin.wheel_sha256,
                 "base_commit": base,
             },
-            "series_hash": series_hash(project),
             "tree": {"revision": revision, "commit": commit},
             "target": {
                 "sm": target_sm,
@@ -753,6 +755,8 @@ def build_bundle(
             },
             "contents": contents,
         }
+        if is_series:
+            provenance["series_hash"] = series_hash(project)
         (staging / "provenance.json").write_text(
             json.dumps(provenance, indent=2, sort_keys=True) + "\n"
         )

@@ -35,7 +35,8 @@ CUDA, torch and Python probed here; the steps below are under ``data``:
    XML of what ran.
 4. **replays**: each ``--replay`` command runs under the same environment with
    its output in ``<out>/replay-N.log``; ``VLLM_BUNDLE_OUT`` names ``<out>``
-   and ``VLLM_BUNDLE_TREE_COMMIT`` the bundle's vLLM tree commit.
+   and ``VLLM_BUNDLE_TREE_COMMIT`` the bundle's vLLM tree commit, and
+   ``VLLM_BUNDLE_SERIES_HASH`` its series hash when that tree is the series' head.
    ``--time-limit`` bounds the whole run: every step's timeout is cut to what is
    left of it less :data:`WRAP_UP_S` (the SIGINT-to-SIGKILL grace, the output
    reader's join and the final write), so a step that is cut still ends, and
@@ -266,6 +267,7 @@ def install(
 
 #: Names the vLLM tree commit of the bundle in the environment of replays.
 BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
+BUNDLE_SERIES_ENV = "VLLM_BUNDLE_SERIES_HASH"
 #: Tells each child (smoke, pytest, replay) how many seconds it has before it is
 #: sent SIGINT; ``harness.e2e`` reads it (``tests/test_bundle.py`` checks the name).
 TIME_LEFT_ENV = "VLLM_BUNDLE_TIME_LEFT_S"
@@ -332,6 +334,11 @@ def environment(prefix: Path, out: Path, provenance: dict[str, Any]) -> dict[str
         # Replays record it as their tree_commit (harness.results): on this host
         # the code under test is the bundle's tree, not a built wheel.
         env[BUNDLE_TREE_ENV] = str(tree)
+    # A bundle of another revision than the series' head has no series hash,
+    # whatever the caller's environment says.
+    env.pop(BUNDLE_SERIES_ENV, None)
+    if series := provenance.get("series_hash"):
+        env[BUNDLE_SERIES_ENV] = str(series)
     # Marlin MoE reaches sm_90 as PTX; let the driver cache the JIT output
     # beyond its 256 MiB default so repeated runs on a warm host reuse it.
     env.setdefault("CUDA_CACHE_MAXSIZE", str(4 << 30))
@@ -879,7 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = args.prefix.resolve()
     provenance = json.loads((bundle / "provenance.json").read_text())
     results: dict[str, Any] = {
-        "bundle": {k: provenance[k] for k in ("base", "series_hash", "tree", "target")},
+        "bundle": {
+            k: provenance[k] for k in ("base", "series_hash", "tree", "target") if k in provenance
+        },
         "install": {"status": NOT_RUN},
         "smoke": {"status": NOT_RUN},
         "pytest": {"status": NOT_RUN},

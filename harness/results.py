@@ -35,6 +35,10 @@ SCHEMA = 1
 # Set by the device bundle's runner (harness/device_run.py, which travels alone and
 # keeps its own copy of the name) to the commit of the tree it ships.
 BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
+# Set beside it only when that tree is the series' head: the bundle's series hash.
+BUNDLE_SERIES_ENV = "VLLM_BUNDLE_SERIES_HASH"
+#: ``series_hash`` of a record made under a bundle of another revision (a probe).
+NOT_THE_SERIES = "not the series"
 REQUIRED = ("command", "date", "host", "gpu", "driver", "cuda", "torch", "python", "base")
 
 
@@ -75,6 +79,7 @@ def _series(project: Project) -> dict[str, str]:
         # Under device_run.py: no wheel, the device bundle's tree is what runs.
         info["tree_commit"] = os.environ[BUNDLE_TREE_ENV]
         info["vllm_from"] = "device bundle"
+        info["series_hash"] = os.environ.get(BUNDLE_SERIES_ENV) or NOT_THE_SERIES
     return info
 
 

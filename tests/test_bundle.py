@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from harness import bundle, device_run, e2e, fatbin, results
-from harness.project import REPO, HarnessError, Project
+from harness.project import REPO, HarnessError, Project, git
 
 CommitFn = Callable[[str, dict[str, str]], str]  # the conftest's `commit` fixture
 
@@ -505,6 +505,17 @@ def test_build_writes_manifest_provenance_and_archives(ready: Project, tmp_path:
     assert (out / "device_run.py").read_bytes() == Path(device_run.__file__).read_bytes()
 
 
+def test_a_bundle_of_another_revision_names_no_series_hash(
+    ready: Project, commit: CommitFn, tmp_path: Path
+) -> None:
+    probe = git(ready.tree, "rev-parse", "series").stdout.strip()  # e.g. a series less one commit
+    commit("[Kernel] A later commit", {"vllm/later.py": "X = 1\n"})
+    built = build(ready, tmp_path, revision=probe)
+    assert built.provenance["tree"] == {"revision": probe, "commit": probe}
+    assert "series_hash" not in built.provenance  # the hash names patches/, not this tree
+    assert len(build(ready, tmp_path).provenance["series_hash"]) == 12  # the series' head
+
+
 def test_build_is_deterministic(ready: Project, tmp_path: Path) -> None:
     first = (build(ready, tmp_path).path / "MANIFEST.txt").read_text()
     second = (build(ready, tmp_path).path / "MANIFEST.txt").read_text()
@@ -714,6 +725,11 @@ def test_environment_puts_the_bundle_first_and_turns_off_the_flashinfer_sampler(
     assert env["VLLM_BUNDLE_EXTRA_KERNELS"] == str(tmp_path / "p" / "py" / "kernels/ns/lib.so")
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"  # FlashInfer does not travel
     assert env[device_run.BUNDLE_TREE_ENV] == "abc123"
+    monkeypatch.setenv(device_run.BUNDLE_SERIES_ENV, "outer")  # not this bundle's
+    probe = device_run.environment(tmp_path, tmp_path, provenance)  # a bundle of another revision
+    assert device_run.BUNDLE_SERIES_ENV not in probe
+    series = device_run.environment(tmp_path, tmp_path, {**provenance, "series_hash": "s1"})
+    assert series[device_run.BUNDLE_SERIES_ENV] == "s1"
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # a host that has it
     assert (
         device_run.environment(tmp_path, tmp_path, provenance)["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
@@ -809,6 +825,10 @@ def test_the_time_left_variable_is_the_one_the_e2e_runner_reads() -> None:
 def test_device_run_repeats_the_result_schema_of_harness_results() -> None:
     # device_run.py cannot import harness.results on the GPU host; its copy must not drift.
     assert (device_run.SCHEMA, device_run.REQUIRED) == (results.SCHEMA, results.REQUIRED)
+    assert (device_run.BUNDLE_TREE_ENV, device_run.BUNDLE_SERIES_ENV) == (
+        results.BUNDLE_TREE_ENV,
+        results.BUNDLE_SERIES_ENV,
+    )
     prov = device_run.result_provenance("device_run.py", "2026-01-01T00:00:00+00:00", {}, {})
     assert set(results.REQUIRED) <= set(prov)
     assert (prov["gpu"], prov["driver"], prov["torch"], prov["cuda"]) == (

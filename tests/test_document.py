@@ -79,6 +79,11 @@ def test_provenance_names_the_code_under_test(tmp_path, monkeypatch):
     prov = results.provenance("x")
     assert prov["tree_commit"] == "abc123" and prov["vllm_from"] == "device bundle"
     assert "wheel_sha256" not in prov
+    # The bundle's series hash, not the carried patches/'s: none for a probe's tree.
+    monkeypatch.delenv(results.BUNDLE_SERIES_ENV, raising=False)
+    assert results.provenance("x")["series_hash"] == results.NOT_THE_SERIES
+    monkeypatch.setenv(results.BUNDLE_SERIES_ENV, "bundled")
+    assert results.provenance("x")["series_hash"] == "bundled"
     monkeypatch.setattr(results, "series_hash", lambda project: "now")
     (tmp_path / "work" / "dist").mkdir(parents=True)
     build_json = tmp_path / "work" / "dist" / "build.json"
