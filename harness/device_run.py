@@ -267,6 +267,7 @@ def install(
 
 #: Names the vLLM tree commit of the bundle in the environment of replays.
 BUNDLE_TREE_ENV = "VLLM_BUNDLE_TREE_COMMIT"
+#: Names the bundle's series hash beside it, only when that tree is the series' head.
 BUNDLE_SERIES_ENV = "VLLM_BUNDLE_SERIES_HASH"
 #: Tells each child (smoke, pytest, replay) how many seconds it has before it is
 #: sent SIGINT; ``harness.e2e`` reads it (``tests/test_bundle.py`` checks the name).
