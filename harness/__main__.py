@@ -577,6 +577,14 @@ def _add_replay_commands(add: Callable[[str, Handler, str], argparse.ArgumentPar
         "online_rates); each run sends rate x online_duration_s requests",
     )
     e.add_argument(
+        "--pool-rows",
+        type=int,
+        metavar="N",
+        help="size every pool arm with --moe-expert-pool-rows N instead of the profile's "
+        "budget in GiB, to compare trees whose --moe-expert-pool-gb counts different things "
+        "(e2e only)",
+    )
+    e.add_argument(
         "--no-decode",
         action="store_true",
         help="skip the decode runs (TTFT only; needs --no-spec, since the ngram servers only "
@@ -704,7 +712,7 @@ def _cmd_served(project: Project, args: argparse.Namespace) -> int:
         routers=args.routers, experts=args.experts, checkpoint_dir=args.checkpoint,
         speculative=not args.no_spec, plain=not args.spec_only, concurrency=args.concurrency,
         ttft=not args.no_ttft, decode=not args.no_decode, online=not args.no_online,
-        online_rates=args.online_rates, dry_run=args.dry_run,
+        online_rates=args.online_rates, pool_rows=args.pool_rows, dry_run=args.dry_run,
         deadline_s=args.deadline_s, argv=sys.argv[1:],
     )  # fmt: skip
 

@@ -21,7 +21,10 @@ mtime, no owners, so the same inputs give the same bytes):
     The release wheel's two stable-ABI kernel libraries (:data:`KERNEL_LIBRARIES`)
     pruned to the target architecture by :mod:`harness.fatbin`, and any extra
     libraries given (a series' kernel-subset builds), each with the
-    ``torch.ops`` namespace it registers.
+    ``torch.ops`` namespace it registers. The release's libraries take the
+    wheel's timestamp, not the revision's, so bundles of two revisions share
+    these archives byte for byte (a second bundle on a host needs only its
+    other files carried).
 ``tests.tar.xz``
     The test files the series adds or changes, any extra tests asked for, and
     everything they import from ``tests.`` (plus each directory's
@@ -64,6 +67,7 @@ FA2 library, which Hopper does not use, does not.
 from __future__ import annotations
 
 import ast
+import calendar
 import dataclasses
 import io
 import json
@@ -823,7 +827,8 @@ def _assemble(
                 progress(f"pruning {name} to sm_{target_sm}")
                 raw = Path(tmp) / PurePosixPath(name).name
                 raw.write_bytes(wheel.read(name))
-                kernels.append(_pack_kernel(staging, raw, name, None, target_sm, mtime))
+                stamp = calendar.timegm(wheel.getinfo(name).date_time)
+                kernels.append(_pack_kernel(staging, raw, name, None, target_sm, stamp))
                 raw.unlink()
     for extra in extra_kernels:
         if not extra.path.is_file():

@@ -165,6 +165,8 @@ class Arm:
     prefill_staging: bool | None = None
     admission: str | None = None  # the pool's --moe-expert-pool-admission (None: default)
     prefetch_step: int = 1
+    # The pool's --moe-expert-pool-rows instead of the budget in GiB (None: the budget).
+    rows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,19 +276,24 @@ def offload_options(arm: Arm, spec: checkpoint.Spec, budget: float) -> dict[str,
 
     The pool gets ``--moe-expert-pool-gb`` (rounded down to 0.001 GiB), which counts
     everything it keeps on the GPU: its bank, staging rows included, and with prefill
-    staging on the two prefill staging buffers (series 0009).
+    staging on its prefill staging buffers (series 0009; one of them borrows the bank's
+    staging rows from 0017 on, when there is one per expert).
     """
     total = checkpoint_routed.expert_bytes(spec)
     if arm.offload == "none":
         return {"fields": {}, "resident_expert_fraction": 1.0}
     if arm.offload == "pool":
-        gib = math.floor(budget * total / 2**30 * 1000) / 1000
-        fields: dict[str, Any] = {"moe_expert_pool_gb": gib}
+        size: dict[str, Any]
+        if arm.rows is not None:
+            size = {"moe_expert_pool_rows": arm.rows}
+        else:
+            size = {"moe_expert_pool_gb": math.floor(budget * total / 2**30 * 1000) / 1000}
+        fields: dict[str, Any] = dict(size)
         if arm.prefill_staging is not None:
             fields["prefill_staging"] = arm.prefill_staging
         if arm.admission is not None:
             fields["moe_expert_pool_admission"] = arm.admission
-        return {"fields": fields, "moe_expert_pool_gb": gib}
+        return {"fields": fields, **size}
     if arm.offload == "uva":
         gib = round((1 - budget) * total / 2**30, 3)
         return {
@@ -1390,6 +1397,7 @@ def main(
     decode: bool = True,
     online: bool = True,
     online_rates: Sequence[float] = (),
+    pool_rows: int | None = None,
     dry_run: bool = False,
     deadline_s: float | None = None,
     argv: Sequence[str] = (),
@@ -1399,8 +1407,10 @@ def main(
     ``decode=False`` its decode runs, ``online_rates`` replaces its online request rates,
     ``online=False`` drops its online runs, and ``plain=False`` starts only the
     speculative-decoding servers, so that one profile's work can be split over several
-    time-limited calls; ``deadline_s``, counted from now, makes the run skip what
-    cannot finish in time (:meth:`Runner.fits`) instead of being cut."""
+    time-limited calls; ``pool_rows`` sizes every pool arm in rows per layer instead of
+    the budget in GiB (to compare trees whose ``--moe-expert-pool-gb`` counts different
+    things); ``deadline_s``, counted from now, makes the run skip what cannot finish in
+    time (:meth:`Runner.fits`) instead of being cut."""
     started = time.monotonic()
     if deadline_s is not None and deadline_s <= 0:
         raise HarnessError(f"--deadline-s must be a positive number of seconds, not {deadline_s}")
@@ -1410,6 +1420,8 @@ def main(
         raise HarnessError("--concurrency sets the decode runs that --no-decode drops; drop one")
     if not online and online_rates:
         raise HarnessError("--online-rates sets the online runs that --no-online drops; drop one")
+    if pool_rows is not None and pool_rows < 1:
+        raise HarnessError(f"--pool-rows takes a positive number of rows, not {pool_rows}")
     if any(rate <= 0 for rate in online_rates):
         raise HarnessError(
             f"--online-rates takes request rates above 0 per second, not {list(online_rates)}"
@@ -1438,6 +1450,12 @@ def main(
             online_rates=(tuple(online_rates) or profile.measure.online_rates) if online else (),
         )
         profile = dataclasses.replace(profile, measure=measure)
+    if pool_rows is not None:
+        sized = {
+            name: dataclasses.replace(arm, rows=pool_rows) if arm.offload == "pool" else arm
+            for name, arm in profile.arms.items()
+        }
+        profile = dataclasses.replace(profile, arms=sized)
     arms = list(arms) or list(profile.arms)
     routers = list(routers) or list(profile.routers)
     unknown = [a for a in arms if a not in profile.arms] + [

@@ -30,6 +30,7 @@ import pytest
 
 from harness import bundle, device_run, e2e, fatbin, results
 from harness.project import REPO, HarnessError, Project, git
+from tests.conftest import IDENTITY
 
 CommitFn = Callable[[str, dict[str, str]], str]  # the conftest's `commit` fixture
 
@@ -514,6 +515,26 @@ def test_a_bundle_of_another_revision_names_no_series_hash(
     assert built.provenance["tree"] == {"revision": probe, "commit": probe}
     assert "series_hash" not in built.provenance  # the hash names patches/, not this tree
     assert len(build(ready, tmp_path).provenance["series_hash"]) == 12  # the series' head
+
+
+def test_bundles_of_two_revisions_share_their_kernel_archives(
+    ready: Project, tmp_path: Path
+) -> None:
+    first = build(ready, tmp_path).path / "MANIFEST.txt"
+    rows = {line.split()[-1]: line for line in first.read_text().splitlines()[1:]}
+    # A later commit, committed later: its archives' mtime is another.
+    (ready.tree / "vllm" / "later.py").write_text("X = 1\n")
+    git(ready.tree, "add", "--all")
+    env = {**IDENTITY.env(), "GIT_COMMITTER_DATE": "2030-01-01T00:00:00+00:00"}
+    git(ready.tree, "commit", "-q", "-m", f"Later\n\n{IDENTITY.signoff}\n", env=env)
+    later = {
+        line.split()[-1]: line
+        for line in (build(ready, tmp_path).path / "MANIFEST.txt").read_text().splitlines()[1:]
+    }
+    kernels = [name for name in rows if name.startswith("kernels-")]
+    assert len(kernels) == len(bundle.KERNEL_LIBRARIES)
+    assert all(later[name] == rows[name] for name in kernels)
+    assert later["vllm-py.tar.xz"] != rows["vllm-py.tar.xz"]
 
 
 def test_build_is_deterministic(ready: Project, tmp_path: Path) -> None:

@@ -332,6 +332,23 @@ def _dry_run_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str], **options
     return capsys.readouterr().out.splitlines()
 
 
+def test_pool_rows_size_every_pool_arm_in_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Trees whose -gb counts different things compare at equal rows per layer.
+    serves = [line for line in _dry_run_lines(tmp_path, capsys, pool_rows=32)
+              if line.startswith("vllm serve ")]  # fmt: skip
+    assert len(serves) == 2
+    for line in serves:
+        assert "--moe-expert-pool-rows 32" in line and "--moe-expert-pool-gb" not in line
+    assert "--no-moe-expert-pool-prefill-staging" in serves[1]
+    default = [line for line in _dry_run_lines(tmp_path, capsys) if line.startswith("vllm serve ")]
+    assert all("--moe-expert-pool-gb 8.859" in line for line in default)
+    assert not any("--moe-expert-pool-rows" in line for line in default)
+    with pytest.raises(e2e.HarnessError, match="--pool-rows takes a positive"):
+        e2e.main("glm-shape-h200", tmp_path, python=Path("py"), pool_rows=0, dry_run=True)
+
+
 def test_online_runs_arrive_as_poisson_with_lengths_drawn_from_the_ranges(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
