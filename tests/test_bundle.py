@@ -520,17 +520,13 @@ def test_a_bundle_of_another_revision_names_no_series_hash(
 def test_bundles_of_two_revisions_share_their_kernel_archives(
     ready: Project, tmp_path: Path
 ) -> None:
-    first = build(ready, tmp_path).path / "MANIFEST.txt"
-    rows = {line.split()[-1]: line for line in first.read_text().splitlines()[1:]}
+    rows = {rel: digest for rel, _, digest in bundle.manifest(build(ready, tmp_path).path)}
     # A later commit, committed later: its archives' mtime is another.
     (ready.tree / "vllm" / "later.py").write_text("X = 1\n")
     git(ready.tree, "add", "--all")
     env = {**IDENTITY.env(), "GIT_COMMITTER_DATE": "2030-01-01T00:00:00+00:00"}
     git(ready.tree, "commit", "-q", "-m", f"Later\n\n{IDENTITY.signoff}\n", env=env)
-    later = {
-        line.split()[-1]: line
-        for line in (build(ready, tmp_path).path / "MANIFEST.txt").read_text().splitlines()[1:]
-    }
+    later = {rel: digest for rel, _, digest in bundle.manifest(build(ready, tmp_path).path)}
     kernels = [name for name in rows if name.startswith("kernels-")]
     assert len(kernels) == len(bundle.KERNEL_LIBRARIES)
     assert all(later[name] == rows[name] for name in kernels)
